@@ -1,0 +1,23 @@
+# Two commands for a newcomer: `make quickstart` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PAIR ?= qwen2.5-coder-0.5b-1.5b
+QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
+
+.PHONY: setup quickstart test test-all lint info
+
+setup:
+	bash scripts/setup_env.sh
+
+## Sets up, fetches + converts the reference pair, runs the quickstart pipeline.
+quickstart: setup
+	$(VENV)/bin/specstop fetch-pair $(PAIR)
+	$(VENV)/bin/specstop info --pair $(PAIR)
+	$(VENV)/bin/specstop pipeline --config $(QUICKSTART_CONFIG)
+
+## Sets up and runs the test suite (CPU, tiny random models; `slow` tests skip without the real pair).
+test: setup
+	$(PY) -m pytest -q -m "not gpu" tests
+
+lint: setup
+	$(VENV)/bin/ruff check specstop tests benchmarks

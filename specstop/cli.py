@@ -1,0 +1,93 @@
+"""The ``specstop`` command: one entry point, one subcommand per stage.
+
+Subcommand modules are imported lazily, so ``specstop --help`` and light commands start fast and
+do not import Lightning or datasets. A subcommand module provides either
+``add_arguments(parser)`` + ``run(args) -> int`` (argparse), or ``main(argv) -> int`` for commands
+that own their parser (``train`` and ``sweep`` go through LightningCLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from specstop import __version__
+
+# name -> (module, one-line help, owns_its_parser)
+COMMANDS: dict[str, tuple[str, str, bool]] = {
+    "fetch-pair": ("specstop.pair.fetch_cli", "download, verify and convert a named reference model pair", False),
+    "info": ("specstop.pair.info_cli", "print a pair's models, tokenizer, parameter counts and cache location", False),
+    "generate": ("specstop.data_gen.cli", "label every draft position of a prompt set into a dataset", False),
+    "train": ("specstop.train.cli", "train a stopping predictor (LightningCLI; --config configs/train/*.yaml)", True),
+    "sweep": ("specstop.train.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)", False),
+    "calibrate-cost": ("specstop.eval.calibrate", "measure draft/target step costs on this hardware", False),
+    "tune": ("specstop.eval.tune_cli", "tune stopping thresholds for latency on a validation split", False),
+    "eval": ("specstop.eval.eval_cli", "replay every policy on a test split and write the report", False),
+    "export": ("specstop.export.cli", "package a trained, tuned predictor for decoders", False),
+    "decode": ("specstop.export.decode_cli", "speculative decoding with a stopping policy", False),
+    "pipeline": ("specstop.pipeline", "pair -> data -> train -> tune -> eval -> export, resumable", False),
+}
+
+log = logging.getLogger("specstop")
+
+
+class UserError(Exception):
+    """An error caused by input the user can fix; printed without a traceback."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specstop",
+        description="Train, tune and export learned stopping predictors for speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"specstop {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_mod, help_, _raw) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "-v" in argv or "--verbose" in argv
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="[specstop] %(message)s", stream=sys.stderr
+    )
+    # Find the subcommand: the first non-option argument.
+    cmd_index = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if cmd_index is None or argv[cmd_index] not in COMMANDS:
+        parser = _build_parser()
+        if cmd_index is not None:
+            parser.error(f"unknown command {argv[cmd_index]!r}; choose from {', '.join(COMMANDS)}")
+        parser.parse_args(argv)
+        parser.print_help()
+        return 0 if argv else 2
+    name = argv[cmd_index]
+    rest = [a for a in argv[cmd_index + 1 :] if a not in ("-v", "--verbose")]
+    module_name, help_, raw = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    try:
+        if raw:
+            return int(module.main(rest) or 0)
+        sub = argparse.ArgumentParser(prog=f"specstop {name}", description=help_)
+        module.add_arguments(sub)
+        args = sub.parse_args(rest)
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"specstop {name}: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, FileNotFoundError, KeyError, OSError) as err:
+        if os.environ.get("SPECSTOP_DEBUG") == "1" or verbose:
+            raise
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"specstop {name}: error: {msg}", file=sys.stderr)
+        print("(set SPECSTOP_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""export: self-describing predictor packages, the dependency-light runtime and the decoder."""

@@ -1,0 +1,51 @@
+"""One registry mapping predictor family names to classes.
+
+Data loading, training, replay, export and the runtime all look families up here, and every
+family declares its features and default label on the class, so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from specstop.models.base import StoppingPredictor
+
+_REGISTRY: dict[str, type[StoppingPredictor]] = {}
+
+
+def register_predictor(name: str):
+    """Class decorator: register a :class:`StoppingPredictor` subclass under ``name``."""
+
+    def deco(cls):
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"predictor name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        cls.family = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _ensure_builtin() -> None:
+    # Importing the family modules runs their @register_predictor decorators.
+    from specstop.models import disco, mcsd, specdecpp  # noqa: F401
+
+
+def predictor_names() -> list[str]:
+    _ensure_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_predictor_class(name: str) -> type[StoppingPredictor]:
+    _ensure_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown predictor family {name!r}; valid names: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def build_predictor(name: str, **config) -> StoppingPredictor:
+    """Instantiate family ``name`` from keyword config (see each family's dataclass config)."""
+    cls = get_predictor_class(name)
+    return cls(cls.config_cls(**config))

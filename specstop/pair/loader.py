@@ -1,0 +1,308 @@
+"""Load a draft/target model pair that shares one tokenizer.
+
+Speculative decoding compares the draft's and the target's next-token distributions token by
+token, so both models must map ids to the same strings and agree on special tokens. We check
+that up front and fail with the first differing token rather than producing silent garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class TokenizerMismatchError(ValueError):
+    """The draft and target tokenizers differ, so the pair cannot do speculative decoding."""
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None) -> torch.dtype:
+    """Map a dtype name (or ``auto``) to a torch dtype. ``auto``: bf16 on CUDA, fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        on_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+        return torch.bfloat16 if on_cuda else torch.float32
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'") from None
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the vocabulary mapping and the special tokens (first 16 hex digits)."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+        "special": _special_tokens(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _special_tokens(tokenizer) -> dict[str, Any]:
+    out = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        out[name] = getattr(tokenizer, name, None)
+    out["all_special_tokens"] = sorted(map(str, getattr(tokenizer, "all_special_tokens", [])))
+    return out
+
+
+def check_same_tokenizer(draft_tok, target_tok, draft_name: str, target_name: str) -> None:
+    """Raise :class:`TokenizerMismatchError` naming the first differing token or special token."""
+    dv, tv = draft_tok.get_vocab(), target_tok.get_vocab()
+    d_by_id = {i: t for t, i in dv.items()}
+    t_by_id = {i: t for t, i in tv.items()}
+    for i in range(max(len(d_by_id), len(t_by_id), max(d_by_id, default=-1) + 1, max(t_by_id, default=-1) + 1)):
+        a, b = d_by_id.get(i), t_by_id.get(i)
+        if a != b:
+            raise TokenizerMismatchError(
+                f"draft {draft_name!r} and target {target_name!r} do not share a tokenizer: "
+                f"token id {i} is {a!r} in the draft but {b!r} in the target "
+                f"(vocabulary sizes {len(dv)} vs {len(tv)}). Speculative decoding needs one tokenizer; "
+                "pick a draft from the target's model family."
+            )
+    ds, ts = _special_tokens(draft_tok), _special_tokens(target_tok)
+    for key in ds:
+        if ds[key] != ts[key]:
+            raise TokenizerMismatchError(
+                f"draft {draft_name!r} and target {target_name!r} share a vocabulary but differ in special "
+                f"token {key}: {ds[key]!r} vs {ts[key]!r}. Fix the tokenizer_config.json of one of them."
+            )
+
+
+@dataclass
+class ModelIdentity:
+    """What later stages record about a model in manifests and exports."""
+
+    name_or_path: str
+    revision: str | None
+    architecture: str
+    num_parameters: int
+    dtype: str
+    hidden_size: int
+    num_hidden_layers: int
+    logits_size: int
+    source_sha256: str | None = None  # e.g. the GGUF file hash for converted reference models
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelPair:
+    """A loaded draft/target pair with its shared tokenizer.
+
+    Attributes:
+        draft, target: ``PreTrainedModel`` in eval mode.
+        tokenizer: the shared tokenizer (the target's copy).
+        vocab_size: the shared vocabulary length; logits are compared on ``[:vocab_size]``.
+    """
+
+    draft: Any
+    target: Any
+    tokenizer: Any
+    draft_identity: ModelIdentity
+    target_identity: ModelIdentity
+    tokenizer_hash: str
+    vocab_size: int
+    name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def draft_device(self) -> torch.device:
+        return next(self.draft.parameters()).device
+
+    @property
+    def target_device(self) -> torch.device:
+        return _input_device(self.target)
+
+    def vocab_handling(self) -> dict:
+        """Manifest entry explaining how distributions are compared."""
+        return {
+            "shared_vocab_size": self.vocab_size,
+            "draft_logits_size": self.draft_identity.logits_size,
+            "target_logits_size": self.target_identity.logits_size,
+            "rule": "logits are sliced to the shared tokenizer vocabulary before softmax; padded rows are dropped",
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "draft": self.draft_identity.to_dict(),
+            "target": self.target_identity.to_dict(),
+            "tokenizer_hash": self.tokenizer_hash,
+            "vocab": self.vocab_handling(),
+        }
+
+
+def _input_device(model) -> torch.device:
+    """Where inputs must go (the embedding's device, also under ``device_map='auto'``)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except Exception:  # pragma: no cover - exotic models
+        return next(model.parameters()).device
+
+
+def _read_source_hash(path: str) -> str | None:
+    marker = Path(path) / "specstop_source.json"
+    if marker.is_file():
+        try:
+            return json.loads(marker.read_text()).get("sha256")
+        except (OSError, json.JSONDecodeError):
+            return None
+    return None
+
+
+def model_identity(model, name_or_path: str, revision: str | None = None) -> ModelIdentity:
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return ModelIdentity(
+        name_or_path=str(name_or_path),
+        revision=revision,
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        num_parameters=int(sum(p.numel() for p in model.parameters())),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        hidden_size=int(text_cfg.hidden_size),
+        num_hidden_layers=int(text_cfg.num_hidden_layers),
+        logits_size=int(model.get_output_embeddings().weight.shape[0]),
+        source_sha256=_read_source_hash(name_or_path) if os.path.isdir(str(name_or_path)) else None,
+    )
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+    if tok.pad_token is None:
+        # Batched generation needs a pad token; EOS is the usual choice and is masked out anyway.
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | None = None,
+    device_map: str | dict | None = None,
+    revision: str | None = None,
+):
+    """Load one causal LM in eval mode, on ``device`` or spread by ``device_map``."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "revision": revision}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as err:
+        raise OSError(
+            f"could not load model {name_or_path!r}: {err}\n"
+            "Give a local Hugging Face folder, a hub id (needs network), or fetch the reference pair "
+            "with `specstop fetch-pair qwen2.5-coder-0.5b-1.5b`."
+        ) from err
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_pair(
+    draft: str,
+    target: str,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | None = None,
+    target_device_map: str | dict | None = None,
+    draft_revision: str | None = None,
+    target_revision: str | None = None,
+    name: str | None = None,
+) -> ModelPair:
+    """Load a draft and a target that share a tokenizer.
+
+    Args:
+        draft, target: local Hugging Face folders or hub ids.
+        dtype: ``float32``/``bfloat16``/``float16`` or ``auto`` (bf16 on CUDA, fp32 on CPU).
+        device: device for the draft (and the target unless ``target_device_map`` is given).
+        target_device_map: e.g. ``"auto"`` to spread a target larger than one GPU.
+
+    Raises:
+        TokenizerMismatchError: the tokenizers differ (names the first differing token).
+    """
+    draft_tok = load_tokenizer(draft, draft_revision)
+    target_tok = load_tokenizer(target, target_revision)
+    check_same_tokenizer(draft_tok, target_tok, draft, target)
+    d_model = load_model(draft, dtype=dtype, device=device, revision=draft_revision)
+    t_model = load_model(target, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision)
+    return pair_from_models(
+        d_model,
+        t_model,
+        target_tok,
+        draft_name=draft,
+        target_name=target,
+        draft_revision=draft_revision,
+        target_revision=target_revision,
+        name=name,
+    )
+
+
+def pair_from_models(
+    draft_model,
+    target_model,
+    tokenizer,
+    *,
+    draft_name: str = "draft",
+    target_name: str = "target",
+    draft_revision: str | None = None,
+    target_revision: str | None = None,
+    name: str | None = None,
+) -> ModelPair:
+    """Wrap already-loaded models (tests build tiny ones in memory)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    vocab_size = len(tokenizer)
+    d_id = model_identity(draft_model, draft_name, draft_revision)
+    t_id = model_identity(target_model, target_name, target_revision)
+    for ident in (d_id, t_id):
+        if ident.logits_size < vocab_size:
+            raise ValueError(
+                f"{ident.name_or_path} has {ident.logits_size} output logits but the tokenizer has {vocab_size} tokens"
+            )
+    for m in (draft_model, target_model):
+        m.eval()
+        m.requires_grad_(False)
+    return ModelPair(
+        draft=draft_model,
+        target=target_model,
+        tokenizer=tokenizer,
+        draft_identity=d_id,
+        target_identity=t_id,
+        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+        vocab_size=vocab_size,
+        name=name,
+    )

@@ -1,0 +1,153 @@
+"""Distribution math shared by data generation, the decoder and the runtime.
+
+One place defines how logits become the distributions that speculative decoding compares, so
+that labels (data_gen), features seen at decode time (runtime/decoder) and replay all agree.
+Only torch is imported here: the export runtime depends on this module.
+
+Conventions:
+    * Logits are sliced to the shared vocabulary ``vocab_size`` (the tokenizer length) before
+      anything else. Padded embedding rows (Qwen's 151,936 logits for 151,665 tokens) are
+      dropped, so neither model can ever propose or be compared on a token the tokenizer lacks.
+    * All softmax / entropy / TV math runs in float32 even when the models run in bf16/fp16
+      (the MCSD authors hit NaN softmax in bf16).
+    * Temperature ``T == 0`` means greedy decoding. The *decoding* rule is then argmax, but the
+      *distributions* we featurize and label (top-k, entropy, TV, acceptance probability) are the
+      untempered softmax (T = 1, no top-k/top-p): a one-hot distribution carries no signal. This
+      matches DISCO (greedy decoding, TV labels on the raw distributions) and HF's
+      ``assistant_confidence_threshold`` (which reads the softmax of the greedy scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = [
+    "DecodingConfig",
+    "accept_probability",
+    "entropy",
+    "logits_to_probs",
+    "residual_distribution",
+    "top_k_probs",
+    "tv_distance",
+]
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """The decoding transform applied to both models' logits.
+
+    Attributes:
+        temperature: 0 for greedy; otherwise the softmax temperature.
+        top_k: keep the k most likely tokens (0 disables).
+        top_p: nucleus sampling mass (1.0 disables).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def logits_to_probs(logits: torch.Tensor, decoding: DecodingConfig, vocab_size: int | None = None) -> torch.Tensor:
+    """Turn raw logits into the distribution speculative decoding uses.
+
+    Args:
+        logits: ``[..., V_model]`` raw logits in any dtype.
+        decoding: the decoding transform. For greedy (T = 0) the untempered softmax is returned.
+        vocab_size: the shared tokenizer vocabulary; logits beyond it are dropped.
+
+    Returns:
+        ``[..., V]`` float32 probabilities summing to one over the shared vocabulary.
+    """
+    if vocab_size is not None:
+        if logits.shape[-1] < vocab_size:
+            raise ValueError(
+                f"model emits {logits.shape[-1]} logits but the shared tokenizer has {vocab_size} tokens; "
+                "the model's output layer is smaller than its tokenizer - is this the right tokenizer?"
+            )
+        logits = logits[..., :vocab_size]
+    logits = logits.float()
+    if not decoding.greedy:
+        logits = logits / decoding.temperature
+        if decoding.top_k > 0 and decoding.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, decoding.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if decoding.top_p < 1.0:
+            sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            # Remove a token once the mass *before* it already reaches top_p; this always keeps
+            # the most likely token (same rule as transformers' TopPLogitsWarper).
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            remove_sorted = mass_before >= decoding.top_p
+            remove = torch.zeros_like(remove_sorted).scatter(-1, sorted_idx, remove_sorted)
+            logits = logits.masked_fill(remove, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats. ``[..., V] -> [...]`` (0 * log 0 counts as 0)."""
+    probs = probs.float()
+    logp = torch.log(probs.clamp_min(1e-30))
+    return -(probs * logp).sum(-1)
+
+
+def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Total-variation distance ``0.5 * sum |p - q|``. ``[..., V] x [..., V] -> [...]``.
+
+    ``1 - TV(p, q)`` is the probability that speculative sampling accepts a fresh draft token
+    ``Y ~ q``: ``E_q[min(1, p/q)] = sum_v min(p_v, q_v) = 1 - TV``.
+    """
+    return 0.5 * (p.float() - q.float()).abs().sum(-1)
+
+
+def top_k_probs(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest probabilities, sorted descending. ``[..., V] -> [..., k]``."""
+    if k > probs.shape[-1]:
+        raise ValueError(f"top-k feature size k={k} exceeds the vocabulary ({probs.shape[-1]})")
+    return torch.topk(probs.float(), k, dim=-1).values
+
+
+def accept_probability(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling acceptance probability ``min(1, p(y) / q(y))`` of draft tokens.
+
+    Args:
+        p: ``[..., V]`` target distribution.
+        q: ``[..., V]`` draft distribution the tokens were drawn from.
+        tokens: ``[...]`` draft token ids.
+
+    Returns:
+        ``[...]`` float32 acceptance probabilities. A token with ``q(y) == 0`` (cannot have been
+        drawn from q) gets 0 acceptance unless p(y) > 0 too, in which case it is accepted (1).
+    """
+    idx = tokens.long().unsqueeze(-1)
+    py = p.float().gather(-1, idx).squeeze(-1)
+    qy = q.float().gather(-1, idx).squeeze(-1)
+    ratio = torch.where(qy > 0, py / qy.clamp_min(1e-30), (py > 0).float())
+    return ratio.clamp(max=1.0)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(p - q, 0))``: where speculative sampling resamples after a rejection.
+
+    ``[..., V] x [..., V] -> [..., V]``. If ``p == q`` exactly (no rejection possible) the residual
+    is empty; we fall back to ``p`` so the result is always a distribution.
+    """
+    r = (p.float() - q.float()).clamp_min(0.0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(1e-30), p.float())

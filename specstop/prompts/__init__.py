@@ -1,0 +1,1 @@
+"""prompts: prompt sources (hub ids, JSON/JSONL files, HumanEval), the papers' templates, splits."""

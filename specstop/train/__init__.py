@@ -1,0 +1,1 @@
+"""train: PyTorch Lightning training of stopping predictors (Lightning is imported only here)."""
