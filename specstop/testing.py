@@ -126,3 +126,259 @@ def tiny_pair(seed: int = 0, **kwargs):
 
     draft, target, tok = tiny_pair_models(seed=seed, **kwargs)
     return pair_from_models(draft, target, tok, draft_name="tiny-draft", target_name="tiny-target", name="tiny")
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic datasets with a planted signal (training/eval/export tests without any model)
+# --------------------------------------------------------------------------------------------
+
+SYNTHETIC_VOCAB = 259  # the tiny byte tokenizer's size: ids line up with tiny_pair()
+SYNTHETIC_EOS = 258
+
+
+def write_synthetic_dataset(
+    out_dir: str | Path,
+    n_prompts: dict[str, int] | None = None,
+    tokens_per_prompt: int = 64,
+    *,
+    k: int = 10,
+    hidden_size: int | None = None,
+    signal: float = 4.0,
+    seed: int = 0,
+    with_rollouts: bool = False,
+    with_mixed: bool = False,
+    mixing_rate: float = 0.15,
+    rollout_length: int = 8,
+    vocab_size: int = SYNTHETIC_VOCAB,
+    prompt_tokens: int = 8,
+    shards_per_split: int = 1,
+    temperature: float = 0.0,
+) -> Path:
+    """Write a schema-valid specstop dataset whose labels depend on the features in a known way.
+
+    The planted signal: every drafted token gets a latent score
+    ``z = signal * (c + 0.35 * u)`` (then shifted so ~70% of tokens are accepted), where ``c``
+    is a standardised *confidence* and ``u`` an independent standard normal. ``c`` decides the
+    distribution features (top-1 probability rises and entropy falls with ``c``), so top-k
+    predictors see most of the signal; the hidden state (when stored) is Gaussian noise plus
+    ``3c`` along one fixed direction and ``3u`` along another, so hidden-state predictors can see
+    all of it. Labels follow the schema's meaning: ``accept_expected = 1 - tv = sigmoid(z)``,
+    ``accept_prob`` = min(1, p/q) of a sampled draft token (1 with probability ``accept_expected``,
+    otherwise uniform below it), ``verified ~ Bernoulli(accept_prob)``, ``greedy_match ~
+    Bernoulli(accept_expected)``. Tokens are consistent: ``target_top1 == token`` (the greedy
+    target), ``draft_argmax == token`` iff ``greedy_match``, and ``draft_token`` is the draft argmax
+    with probability top-1 (else a random token); EOS never appears inside a response.
+
+    Args:
+        out_dir: dataset folder to create (``manifest.json`` + ``shards/``).
+        n_prompts: prompts per split, default ``{"train": 32, "validation": 8, "test": 8}``.
+        tokens_per_prompt: response length N of every prompt.
+        k: top-k feature size. hidden_size: store ``[H]`` float16 hidden states, or None.
+        signal: logit scale of the planted signal (0 = labels independent of the features).
+        seed: all randomness. with_rollouts / with_mixed: also fill those tables (every split).
+        mixing_rate: fraction r of target tokens in token mixing (mixed rows are the other 1 - r).
+        rollout_length: L of the rollout rows. vocab_size: token ids are drawn below it.
+        prompt_tokens: prompt length. shards_per_split: prompts are spread over this many shards.
+        temperature: recorded in the manifest only.
+
+    Returns:
+        ``Path(out_dir)``.
+    """
+    import datetime
+
+    import numpy as np
+
+    from specstop import __version__
+    from specstop.data_gen.schema import SCHEMA_VERSION
+    from specstop.data_gen.storage import MANIFEST, atomic_write_json, shard_name, write_shard
+
+    import datasets
+
+    n_prompts = dict(n_prompts or {"train": 32, "validation": 8, "test": 8})
+    out_dir = Path(out_dir)
+    # Tests write many tiny shards; the per-table progress bars are noise there.
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    rng = np.random.default_rng(seed)
+    # Fixed directions in hidden space carrying the two signal components.
+    if hidden_size:
+        dirs = np.linalg.qr(rng.standard_normal((hidden_size, 2)))[0].T  # [2, H] orthonormal
+    n_tok = tokens_per_prompt
+    split_counts: dict[str, dict] = {}
+    for split, n_p in n_prompts.items():
+        counts = {"prompts": 0, "tokens": 0, "mixed": 0, "rollouts": 0}
+        for shard_idx, prompt_idx in enumerate(np.array_split(np.arange(n_p), max(1, shards_per_split))):
+            tables = {t: {} for t in ("sequences", "tokens", "mixed", "rollouts")}
+            seq_rows, tok_rows, mix_rows, roll_rows = [], [], [], []
+            for i in prompt_idx:
+                pid = f"syn-{split}-{int(i):05d}"
+                c = rng.standard_normal(n_tok)
+                u = rng.standard_normal(n_tok)
+                z = signal * (c + 0.35 * u) + 1.0
+                acc_exp = 1.0 / (1.0 + np.exp(-z))
+                top1 = 1.0 / (1.0 + np.exp(-(1.2 * c + 0.8)))  # confident drafts agree more often
+                # Remaining mass over k-1 visible + a tail, sorted and capped below top1.
+                rest = rng.dirichlet(np.ones(k + 2), size=n_tok)[:, : k - 1] * (1.0 - top1)[:, None]
+                rest = -np.sort(-np.minimum(rest, top1[:, None]), axis=1)
+                topk = np.concatenate([top1[:, None], rest], axis=1).astype(np.float32)
+                tail = np.clip(1.0 - topk.sum(1), 1e-6, None)
+                n_tail = max(vocab_size - k, 1)
+                ent = -(topk * np.log(np.clip(topk, 1e-12, None))).sum(1) - tail * np.log(tail / n_tail)
+                greedy = rng.random(n_tok) < acc_exp
+                token = rng.integers(0, vocab_size - 1, n_tok)  # never EOS (= vocab_size - 1 here)
+                token = np.where(token == SYNTHETIC_EOS, 0, token)
+                other = (token + 1 + rng.integers(0, vocab_size - 3, n_tok)) % (vocab_size - 1)
+                other = np.where(other == token, (token + 1) % (vocab_size - 1), other)
+                draft_argmax = np.where(greedy, token, other)
+                draft_tok = np.where(rng.random(n_tok) < top1, draft_argmax, rng.integers(0, vocab_size - 1, n_tok))
+                accept_prob = np.where(rng.random(n_tok) < acc_exp, 1.0, acc_exp * rng.random(n_tok))
+                verified = rng.random(n_tok) < accept_prob
+                row = {
+                    "prompt_id": [pid] * n_tok,
+                    "split": [split] * n_tok,
+                    "position": np.arange(n_tok, dtype=np.int32),
+                    "token": token.astype(np.int32),
+                    "draft_argmax": draft_argmax.astype(np.int32),
+                    "target_top1": token.astype(np.int32),
+                    "topk": topk,
+                    "entropy": ent.astype(np.float32),
+                    "tv": (1.0 - acc_exp).astype(np.float32),
+                    "accept_expected": acc_exp.astype(np.float32),
+                    "greedy_match": greedy,
+                    "draft_token": draft_tok.astype(np.int32),
+                    "accept_prob": accept_prob.astype(np.float32),
+                    "verified": verified,
+                }
+                hidden = None
+                if hidden_size:
+                    hidden = rng.standard_normal((n_tok, hidden_size)) + 3.0 * (c[:, None] * dirs[0] + u[:, None] * dirs[1])
+                    row["hidden"] = hidden.astype(np.float16)
+                tok_rows.append(row)
+                seq_rows.append(
+                    {
+                        "prompt_id": [pid],
+                        "split": [split],
+                        "prompt_text": [f"synthetic prompt {split} {int(i)}"],
+                        "prompt_ids": [rng.integers(0, vocab_size - 1, prompt_tokens).astype(np.int32).tolist()],
+                        "response_ids": [token.astype(np.int32).tolist()],
+                        "response_text": [" ".join(map(str, token[:8])) + " ..."],
+                        "num_tokens": [n_tok],
+                        "stop_reason": ["length"],
+                        "prompt_truncated": [False],
+                    }
+                )
+                if with_mixed:
+                    keep = np.flatnonzero(rng.random(n_tok) >= mixing_rate)  # positions holding Y_i
+                    # The mixed pass sees another context, so its features are perturbed copies.
+                    mrow = {
+                        "prompt_id": [pid] * len(keep),
+                        "split": [split] * len(keep),
+                        "draw": np.zeros(len(keep), dtype=np.int32),
+                        "position": keep.astype(np.int32),
+                        "draft_token": draft_tok[keep].astype(np.int32),
+                        "topk": topk[keep],
+                        "entropy": ent[keep].astype(np.float32),
+                        "accept_prob": accept_prob[keep].astype(np.float32),
+                        "accept_expected": acc_exp[keep].astype(np.float32),
+                    }
+                    if hidden is not None:
+                        mh = hidden[keep] + 0.3 * rng.standard_normal((len(keep), hidden_size))
+                        mrow["hidden"] = mh.astype(np.float16)
+                    mix_rows.append(mrow)
+                if with_rollouts:
+                    mism = np.flatnonzero(~greedy)
+                    lengths = np.minimum(rollout_length, n_tok - mism).astype(np.int32)
+                    rrow = {
+                        "prompt_id": [pid] * len(mism),
+                        "split": [split] * len(mism),
+                        "position": mism.astype(np.int32),
+                        "mismatch_token": draft_argmax[mism].astype(np.int32),
+                        "length": lengths,
+                        "tokens": [rng.integers(0, vocab_size - 1, n).astype(np.int32).tolist() for n in lengths],
+                        "topk": [np.tile(topk[m], n).tolist() for m, n in zip(mism, lengths)],
+                        "entropy": [np.full(n, ent[m], dtype=np.float32).tolist() for m, n in zip(mism, lengths)],
+                    }
+                    if hidden_size:
+                        rrow["mismatch_hidden"] = hidden[mism].astype(np.float16)
+                        rrow["hidden"] = [
+                            rng.standard_normal(n * hidden_size).astype(np.float16).tolist() for n in lengths
+                        ]
+                    roll_rows.append(rrow)
+            for table, rows in (("sequences", seq_rows), ("tokens", tok_rows), ("mixed", mix_rows), ("rollouts", roll_rows)):
+                if rows:
+                    tables[table] = {
+                        col: (np.concatenate([r[col] for r in rows]) if isinstance(rows[0][col], np.ndarray) else sum((list(r[col]) for r in rows), []))
+                        for col in rows[0]
+                    }
+            write_shard(
+                out_dir,
+                shard_name(split, shard_idx),
+                tables,
+                k=k,
+                hidden_size=hidden_size,
+                meta={"prompt_ids": [f"syn-{split}-{int(i):05d}" for i in prompt_idx]},
+            )
+            counts["prompts"] += len(prompt_idx)
+            for t, rows in (("tokens", tok_rows), ("mixed", mix_rows), ("rollouts", roll_rows)):
+                counts[t] += sum(len(r["prompt_id"]) for r in rows)
+        split_counts[split] = counts
+
+    ident = {
+        "name_or_path": "synthetic",
+        "revision": None,
+        "architecture": "Synthetic",
+        "num_parameters": 0,
+        "dtype": "float32",
+        "hidden_size": int(hidden_size or 32),
+        "num_hidden_layers": 0,
+        "logits_size": vocab_size,
+        "source_sha256": None,
+    }
+    bytes_no_hidden = 4 * (k + 12)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "specstop_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "pair": {
+            "name": "synthetic",
+            "draft": {**ident, "name_or_path": "synthetic-draft"},
+            "target": {**ident, "name_or_path": "synthetic-target"},
+            "tokenizer_hash": "synthetic0000000",
+            "vocab": {"shared_vocab_size": vocab_size, "draft_logits_size": vocab_size, "target_logits_size": vocab_size},
+        },
+        "prompts": {
+            "source": "synthetic",
+            "field": None,
+            "template": None,
+            "chat_template": False,
+            "seed": seed,
+            "split_sizes": dict(n_prompts),
+            "counts": dict(n_prompts),
+        },
+        "generation": {
+            "max_new_tokens": tokens_per_prompt,
+            "temperature": temperature,
+            "top_k": 0,
+            "top_p": 1.0,
+            "seed": seed,
+            "batch_size": 1,
+            "max_prompt_tokens": prompt_tokens,
+            "prompt_overflow": "truncate",
+            "eos_token_id": SYNTHETIC_EOS,
+        },
+        "labels": {
+            "topk_k": k,
+            "hidden_states": bool(hidden_size),
+            "hidden_size": int(hidden_size) if hidden_size else None,
+            "hidden_layer": -1,
+            "mixing": {"rate": mixing_rate, "draws": 1 if with_mixed else 0, "splits": list(n_prompts) if with_mixed else []},
+            "rollouts": {"length": rollout_length, "splits": list(n_prompts) if with_rollouts else []},
+            "synthetic_signal": signal,
+        },
+        "splits": split_counts,
+        "bytes_per_token": {"with_hidden": bytes_no_hidden + 2 * int(hidden_size or 0), "without_hidden": bytes_no_hidden},
+    }
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    if bars_were_on:
+        datasets.enable_progress_bars()
+    return out_dir

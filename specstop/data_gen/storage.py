@@ -210,7 +210,13 @@ def load_table(out_dir: str | Path, table: str, split: str | None = None):
 
     if table not in TABLES:
         raise ValueError(f"unknown table {table!r}; tables are {TABLES}")
-    parts = [load_from_disk(str(p / table)) for p in complete_shards(out_dir, split)]
+    parts = []
+    for p in complete_shards(out_dir, split):
+        # An empty table is saved without any .arrow file, which load_from_disk cannot open:
+        # skip tables whose shard record says they have no rows.
+        if (read_shard_record(p) or {}).get("rows", {}).get(table, 1) == 0:
+            continue
+        parts.append(load_from_disk(str(p / table)))
     parts = [d for d in parts if len(d)]
     if not parts:
         man = read_manifest(out_dir)

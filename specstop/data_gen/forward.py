@@ -1,0 +1,84 @@
+"""One batched forward over prompt + response, returning what each response position needs.
+
+Layout (see :mod:`specstop.data_gen.batching`): row b holds ``prompt_b + resp_b`` flush right in
+``L`` columns, so response token i of row b sits at column ``L - N_b + i``. The distribution
+token i is drawn from (q_i / p_i) comes from the logits at the column *before* it,
+``L - N_b + i - 1``; the hidden state "after token i is fed in" is at column ``L - N_b + i``.
+Only the last ``N_max + 1`` columns of logits are materialised (``logits_to_keep``): the prompt's
+own next-token logits are never needed, and ``[B, L, V]`` logits would not fit for long prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specstop.data_gen.batching import left_pad
+
+
+@dataclass
+class PositionOutputs:
+    """Per-response-position outputs of one batched forward, flattened row-major.
+
+    Attributes:
+        logits: ``[R, V_model]`` raw logits (model dtype) predicting response token i, where
+            ``R = sum_b N_b`` and rows run over (b, i) in order.
+        hidden: ``[R, H]`` final-layer hidden state at response token i (after the model's final
+            norm: HF's ``hidden_states[-1]``), or None when not requested.
+        offsets: ``[B + 1]`` row offsets: rows of sequence b are ``offsets[b]:offsets[b+1]``.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    offsets: list[int]
+
+
+@torch.no_grad()
+def forward_positions(
+    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, *, hidden: bool = False
+) -> PositionOutputs:
+    """Teacher-forced forward of ``model`` over ``prompt_b + response_b`` for every b.
+
+    Args:
+        model: a HF causal LM (inputs go to its embedding's device).
+        prompts: B prompt id lists (each non-empty).
+        responses: B response id lists (may be empty).
+        pad_id: padding id (masked).
+        hidden: also return the final hidden state at every response token.
+
+    Returns:
+        :class:`PositionOutputs` for the ``sum_b N_b`` response positions.
+    """
+    device = model.get_input_embeddings().weight.device
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    n = [len(r) for r in responses]
+    offsets = [0]
+    for x in n:
+        offsets.append(offsets[-1] + x)
+    nmax = max(n) if n else 0
+    if nmax == 0:
+        return PositionOutputs(torch.zeros(0, 0), None, offsets)
+    ids, mask, pos = left_pad(seqs, pad_id, device)
+    L = ids.shape[1]
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+        logits_to_keep=nmax + 1,
+        output_hidden_states=hidden,
+    )
+    b_idx = torch.cat([torch.full((x,), b, dtype=torch.long) for b, x in enumerate(n)])
+    i_idx = torch.cat([torch.arange(x) for x in n])
+    n_b = torch.as_tensor(n, dtype=torch.long)[b_idx]
+    # kept column c holds full column L - (nmax + 1) + c; token i's logits are at full L - N_b + i - 1.
+    logit_cols = nmax - n_b + i_idx
+    logits = out.logits
+    logits = logits[b_idx.to(logits.device), logit_cols.to(logits.device)]
+    h = None
+    if hidden:
+        hs = out.hidden_states[-1]
+        h = hs[b_idx.to(hs.device), (L - n_b + i_idx).to(hs.device)]
+    return PositionOutputs(logits, h, offsets)

@@ -1,0 +1,141 @@
+"""Steps 2-3: teacher-forced distributions p_i, q_i and the per-position labels of the tokens table.
+
+For a batch of (prompt x, response X) pairs one target forward and one draft forward over x + X
+give p_i = p(. | x, X_<i) and q_i = q(. | x, X_<i); all distribution math is
+:mod:`specstop.probs` in float32. Random draws (Y_i ~ q_i, the Bernoulli ``verified``) use uniforms
+seeded per prompt (:func:`specstop.data_gen.batching.uniforms`), so labels do not depend on batch
+composition and a resumed run reproduces them exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specstop.data_gen.batching import sample_from_uniform, uniforms
+from specstop.data_gen.forward import forward_positions
+from specstop.probs import (
+    DecodingConfig,
+    accept_probability,
+    entropy,
+    logits_to_probs,
+    top_k_probs,
+    tv_distance,
+)
+
+
+@dataclass
+class TeacherLabels:
+    """Columns of the tokens table for a batch, flattened over (prompt b, position i).
+
+    Attributes:
+        offsets: ``[B + 1]``; prompt b owns rows ``offsets[b]:offsets[b+1]``.
+        columns: numpy columns named as in ``schema.features_for("tokens")`` except the id
+            columns; ``topk`` is ``[R, k]``, ``hidden`` ``[R, H]`` float16 when requested.
+    """
+
+    offsets: list[int]
+    columns: dict[str, np.ndarray]
+
+
+def check_finite(logits: torch.Tensor, row0: int, offsets: Sequence[int], prompt_ids: Sequence[str], who: str) -> None:
+    """Raise naming the prompt (and position) when ``logits [r, V]`` hold NaN or inf."""
+    bad = ~torch.isfinite(logits).all(-1)
+    if bool(bad.any()):
+        r = row0 + int(bad.nonzero()[0, 0])
+        b = int(np.searchsorted(np.asarray(offsets), r, side="right") - 1)
+        raise FloatingPointError(
+            f"the {who} produced NaN/inf logits for prompt {prompt_ids[b]!r} at response position "
+            f"{r - offsets[b]}; the model overflows in its dtype - rerun with --dtype float32 (or bfloat16 "
+            "instead of float16), or drop the prompt"
+        )
+
+
+def argmax_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Greedy token over the shared vocabulary. ``[R, V_model] -> [R]``.
+
+    Equal to ``argmax q`` (softmax, temperature, top-k and top-p all keep the maximum), but taken on
+    the float32 logits so that two logits which round to the same float32 probability are still
+    ordered as the decoder's ``argmax(logits)`` orders them.
+    """
+    return logits[..., :vocab_size].float().argmax(-1)
+
+
+@torch.no_grad()
+def teacher_labels(
+    pair,
+    prompt_ids: Sequence[str],
+    prompt_indices: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    *,
+    decoding: DecodingConfig,
+    k: int,
+    seed: int,
+    hidden: bool = False,
+    chunk_rows: int = 1024,
+) -> TeacherLabels:
+    """Label every response position of a batch by teacher forcing.
+
+    Args:
+        pair: the ModelPair.
+        prompt_ids: B prompt ids (for error messages).
+        prompt_indices: B stable prompt indices (``PromptRecord.source_index``) seeding the draws.
+        prompts, responses: B token-id lists each.
+        decoding: the decoding transform (greedy: untempered softmax).
+        k: top-k feature size.
+        seed: run seed.
+        hidden: store the draft's final hidden state after X_i is fed in.
+        chunk_rows: rows turned into ``[rows, V]`` float32 distributions at once.
+
+    Returns:
+        :class:`TeacherLabels`.
+    """
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
+    V = pair.vocab_size
+    t_out = forward_positions(pair.target, prompts, responses, pad)
+    d_out = forward_positions(pair.draft, prompts, responses, pad, hidden=hidden)
+    offsets = d_out.offsets
+    R = offsets[-1]
+    dev = pair.draft_device
+    x_tok = torch.as_tensor([t for r in responses for t in r], dtype=torch.long, device=dev)
+    u_sample = torch.cat([uniforms(seed, idx, "draft-sample", len(r)) for idx, r in zip(prompt_indices, responses)])
+    u_verify = torch.cat([uniforms(seed, idx, "verify", len(r)) for idx, r in zip(prompt_indices, responses)])
+
+    cols: dict[str, list] = {c: [] for c in (
+        "draft_argmax", "target_top1", "topk", "entropy", "tv", "draft_token", "accept_prob", "verified")}
+    for s in range(0, R, chunk_rows):
+        e = min(R, s + chunk_rows)
+        dl = d_out.logits[s:e]
+        tl = t_out.logits[s:e].to(dev)
+        check_finite(dl[..., :V], s, offsets, prompt_ids, "draft")
+        check_finite(tl[..., :V], s, offsets, prompt_ids, "target")
+        q = logits_to_probs(dl, decoding, vocab_size=V)
+        p = logits_to_probs(tl, decoding, vocab_size=V)
+        y = sample_from_uniform(q, u_sample[s:e])
+        acc = accept_probability(p, q, y)
+        cols["draft_argmax"].append(argmax_vocab(dl, V))
+        cols["target_top1"].append(argmax_vocab(tl, V))
+        cols["topk"].append(top_k_probs(q, k))
+        cols["entropy"].append(entropy(q))
+        cols["tv"].append(tv_distance(p, q))
+        cols["draft_token"].append(y)
+        cols["accept_prob"].append(acc)
+        # Bernoulli(accept_prob) from a seeded uniform: the outcome speculative sampling would verify.
+        cols["verified"].append(u_verify[s:e].to(dev) < acc.double())
+        del q, p
+    out: dict[str, np.ndarray] = {}
+    for c, parts in cols.items():
+        out[c] = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, k) if c == "topk" else 0)
+    out["position"] = np.concatenate([np.arange(len(r)) for r in responses]).astype(np.int32) if R else np.zeros(0, np.int32)
+    out["token"] = x_tok.cpu().numpy().astype(np.int32)
+    out["accept_expected"] = (1.0 - out["tv"]).astype(np.float32)
+    out["greedy_match"] = out["draft_argmax"] == out["token"]
+    for c in ("draft_argmax", "target_top1", "draft_token"):
+        out[c] = out[c].astype(np.int32)
+    if hidden:
+        out["hidden"] = d_out.hidden.to(torch.float16).cpu().numpy() if R else np.zeros((0, 0), np.float16)
+    return TeacherLabels(offsets, out)

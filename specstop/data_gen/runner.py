@@ -1,0 +1,293 @@
+"""Shard planning, resumable execution and the manifest of `specstop generate`.
+
+Prompts are assigned to shards deterministically: per split (train, validation, test, then any
+other split by name) in the order of the prompt list, ``prompts_per_shard`` at a time. Shard g
+(counting over all splits) belongs to worker ``g % num_shards``. A finished shard records its
+prompt ids and a fingerprint of the label settings; a rerun keeps verified shards whose record
+matches and regenerates the rest, so no prompt is duplicated or dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specstop.data_gen import storage
+from specstop.data_gen.config import DataGenConfig
+from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
+from specstop.data_gen.schema import SCHEMA_VERSION
+from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
+from specstop.data_gen.storage import (
+    atomic_write_json,
+    clean_partial_shards,
+    complete_shards,
+    read_shard_record,
+    shard_name,
+    write_shard,
+)
+
+log = logging.getLogger(__name__)
+
+SPLIT_ORDER = ("train", "validation", "test")
+
+
+@dataclass
+class ShardPlan:
+    """One shard: ``ordinal`` counts over all splits (decides the worker)."""
+
+    split: str
+    index: int
+    ordinal: int
+    records: list
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.split, self.index)
+
+    @property
+    def prompt_ids(self) -> list[str]:
+        return [r.prompt_id for r in self.records]
+
+
+def plan_shards(records: Sequence, prompts_per_shard: int) -> list[ShardPlan]:
+    """Deterministic shard assignment (see module docstring)."""
+    by_split: dict[str, list] = {}
+    for r in records:
+        by_split.setdefault(r.split, []).append(r)
+    seen = set()
+    for r in records:
+        if r.prompt_id in seen:
+            raise ValueError(f"prompt id {r.prompt_id!r} occurs twice; prompt ids must be unique (set id_field)")
+        seen.add(r.prompt_id)
+    splits = sorted(by_split, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else len(SPLIT_ORDER), s))
+    plan, ordinal = [], 0
+    for s in splits:
+        recs = by_split[s]
+        for i in range(0, len(recs), prompts_per_shard):
+            plan.append(ShardPlan(s, i // prompts_per_shard, ordinal, recs[i : i + prompts_per_shard]))
+            ordinal += 1
+    return plan
+
+
+def worker_from_env(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
+    """``(num_shards, shard_index)`` from flags, else torchrun's ``WORLD_SIZE``/``RANK``, else (1, 0)."""
+    import os
+
+    n = num_shards if num_shards is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    i = shard_index if shard_index is not None else int(os.environ.get("RANK", "0"))
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--shard-index must be in [0, --num-shards) and --num-shards >= 1; got index {i} of {n}")
+    return n, i
+
+
+def _shard_status(out_dir: Path, plan: ShardPlan, fingerprint: str) -> str:
+    """'done' (verified, same prompts and settings), 'missing' or 'stale' (different prompts)."""
+    path = storage.shards_root(out_dir) / plan.name
+    if not path.is_dir() or not storage.verify_shard(path):
+        return "missing"
+    meta = (read_shard_record(path) or {}).get("meta", {})
+    if meta.get("fingerprint") != fingerprint:
+        raise ValueError(
+            f"{path} was written with other label settings (fingerprint {meta.get('fingerprint')} != {fingerprint}); "
+            "a dataset must not mix settings: use a new --out, or delete that folder to start over"
+        )
+    return "done" if meta.get("prompt_ids") == plan.prompt_ids else "stale"
+
+
+def check_no_foreign_shards(out_dir: Path, plan: Sequence[ShardPlan]) -> None:
+    names = {p.name for p in plan}
+    foreign = [p.name for p in complete_shards(out_dir) if p.name not in names]
+    if foreign:
+        raise ValueError(
+            f"{out_dir} holds shards that this prompt set does not produce: {', '.join(foreign[:5])}"
+            f"{' ...' if len(foreign) > 5 else ''} (from a run with another prompt set, --limit or "
+            "prompts_per_shard?); use a new --out, or delete them"
+        )
+
+
+def generate_dataset(
+    pair,
+    records: Sequence,
+    cfg: DataGenConfig,
+    out_dir: str | Path,
+    *,
+    render: Callable[[str], list[int]] | None = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    prompt_info: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Label ``records`` into ``out_dir`` (resumable); write the manifest when every shard is done.
+
+    Args:
+        pair: the loaded ModelPair.
+        records: ``specstop.prompts.PromptRecord`` list (prompt_id, text, split, source_index, meta).
+        cfg: the run config (validated here).
+        out_dir: dataset folder.
+        render: text -> prompt token ids; default ``specstop.prompts.render_prompt`` with the
+            config's chat template and system prompt.
+        num_shards, shard_index: this worker's share (shard g is done by worker g % num_shards).
+        prompt_info: the manifest's ``prompts`` entry without ``counts`` (defaults from cfg.prompts).
+        progress: show a tqdm bar.
+
+    Returns:
+        ``{"done": [...], "skipped": [...], "manifest": path or None}``.
+    """
+    from tqdm.auto import tqdm
+
+    import datasets
+
+    cfg.validate()
+    datasets.disable_progress_bars()  # one bar per table write would drown ours
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    removed = clean_partial_shards(out)
+    if removed:
+        log.info("removed %d partial/corrupt shard folder(s) from an interrupted run: %s", len(removed), ", ".join(removed))
+    plan = plan_shards(records, cfg.prompts_per_shard)
+    check_no_foreign_shards(out, plan)
+    fp = cfg.label_fingerprint()
+    render = render or default_render(pair.tokenizer, cfg.prompts.chat_template, cfg.prompts.system_prompt)
+    limit = max_prompt_tokens(pair, cfg.generation)
+    hidden_size = pair.draft_identity.hidden_size if cfg.labels.hidden_states else None
+    if cfg.labels.mixing.draws > 0 and not cfg.labels.hidden_states:
+        log.info("token mixing skipped: it produces hidden-state rows and labels.hidden_states is off")
+    if cfg.generation.temperature > 0 and cfg.labels.rollouts.length > 0 and cfg.labels.rollouts.splits:
+        log.info("rollouts skipped: they serve exact replay of greedy decoding and this run samples (T > 0)")
+
+    mine = [p for p in plan if p.ordinal % num_shards == shard_index]
+    todo, skipped = [], []
+    for p in mine:
+        status = _shard_status(out, p, fp)
+        (skipped if status == "done" else todo).append(p)
+        if status == "stale":
+            log.info("shard %s holds other prompts than planned: regenerating it", p.name)
+    if skipped:
+        log.info("resuming: %d verified shard(s) kept, %d to generate", len(skipped), len(todo))
+    pair_meta = {
+        "pair": pair.to_dict(), "eos_token_id": eos_ids(pair), "max_prompt_tokens": limit,
+        "hidden_size": hidden_size, "draft_hidden_size": pair.draft_identity.hidden_size,
+    }
+    bar = tqdm(total=sum(len(p.records) for p in todo), unit="prompt", disable=not progress, desc="generate")
+    t0, n_tok = time.perf_counter(), 0
+    for p in todo:
+        prepared, dropped = prepare_prompts(p.records, render, limit, cfg.generation.prompt_overflow)
+        tables = BatchTables()
+        bs = cfg.generation.batch_size
+        for s in range(0, len(prepared), bs):
+            label_batch(pair, prepared[s : s + bs], p.split, cfg, tables)
+            bar.update(len(prepared[s : s + bs]))
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{(n_tok + tables.response_tokens) / dt:.1f}", prompt_s=f"{bar.n / dt:.2f}")
+        bar.update(len(dropped))
+        n_tok += tables.response_tokens
+        meta = {
+            "prompt_ids": p.prompt_ids, "fingerprint": fp, "split": p.split, "skipped_prompts": dropped,
+            "rollout_steps": tables.rollout_steps, "response_tokens": tables.response_tokens, **pair_meta,
+        }
+        write_shard(out, p.name, tables.finish(), k=cfg.labels.topk_k, hidden_size=hidden_size, meta=meta)
+    bar.close()
+    manifest = None
+    if all(_shard_status(out, p, fp) == "done" for p in plan):
+        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info)
+    elif num_shards > 1:
+        log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
+    return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
+
+
+def prompt_info_from_config(cfg: DataGenConfig) -> dict:
+    pc = cfg.prompts
+    field_name = pc.template.split(":", 1)[1] if pc.template and pc.template.startswith("field:") else None
+    return {
+        "source": pc.source, "field": field_name, "template": pc.template, "chat_template": pc.chat_template,
+        "seed": pc.seed, "split_sizes": pc.split_sizes,
+    }
+
+
+def _arrow_bytes(shard: Path) -> int:
+    return sum(f.stat().st_size for f in shard.rglob("*.arrow"))
+
+
+def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[ShardPlan], *, prompt_info: dict | None = None) -> Path:
+    """Write ``manifest.json`` (keys as in docs/design.md) from the finished shards of ``plan``.
+
+    Raises:
+        ValueError: a planned shard is missing, unverified or holds other prompts.
+    """
+    from specstop import __version__
+
+    out = Path(out_dir)
+    fp = cfg.label_fingerprint()
+    missing = [p.name for p in plan if _shard_status(out, p, fp) != "done"]
+    if missing:
+        raise ValueError(
+            f"cannot write the manifest: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}); run the remaining workers (or rerun) first"
+        )
+    check_no_foreign_shards(out, plan)
+    splits: dict[str, dict] = {}
+    total_bytes = rows_tok = rows_mix = rows_roll = steps = 0
+    meta0 = None
+    for p in plan:
+        path = storage.shards_root(out) / p.name
+        rec = read_shard_record(path)
+        meta0 = meta0 or rec["meta"]
+        s = splits.setdefault(p.split, {"prompts": 0, "tokens": 0, "mixed": 0, "rollouts": 0})
+        s["prompts"] += rec["rows"]["sequences"]
+        s["tokens"] += rec["rows"]["tokens"]
+        s["mixed"] += rec["rows"]["mixed"]
+        s["rollouts"] += rec["rows"]["rollouts"]
+        rows_tok += rec["rows"]["tokens"]
+        rows_mix += rec["rows"]["mixed"]
+        rows_roll += rec["rows"]["rollouts"]
+        steps += rec["meta"].get("rollout_steps", 0)
+        total_bytes += _arrow_bytes(path)
+    meta0 = meta0 or {}
+    hidden_on = cfg.labels.hidden_states
+    H = meta0.get("draft_hidden_size") or 0
+    # float16 hidden values are stored uncompressed: 2 bytes each, one vector per token row, mixed
+    # row, rollout step and rollout (mismatch_hidden). With hidden states off that is an estimate.
+    hidden_bytes = 2 * H * (rows_tok + rows_mix + steps + rows_roll)
+    denom = max(rows_tok, 1)
+    if hidden_on:
+        bpt = {"with_hidden": total_bytes / denom, "without_hidden": (total_bytes - hidden_bytes) / denom}
+    else:
+        bpt = {"with_hidden": (total_bytes + hidden_bytes) / denom, "without_hidden": total_bytes / denom}
+    g, lab = cfg.generation, cfg.labels
+    all_splits = sorted(splits)
+    info = dict(prompt_info or prompt_info_from_config(cfg))
+    info["counts"] = {s: v["prompts"] for s, v in splits.items()}
+    eos = meta0.get("eos_token_id")
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "specstop_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "pair": meta0.get("pair"),
+        "prompts": info,
+        "generation": {
+            "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p,
+            "seed": g.seed, "batch_size": g.batch_size, "max_prompt_tokens": meta0.get("max_prompt_tokens"),
+            "prompt_overflow": g.prompt_overflow,
+            "eos_token_id": eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
+        },
+        "labels": {
+            "topk_k": lab.topk_k,
+            "hidden_states": hidden_on,
+            "hidden_size": meta0.get("hidden_size") if hidden_on else None,
+            "hidden_layer": -1,
+            "mixing": {"rate": lab.mixing.rate, "draws": lab.mixing.draws,
+                       "splits": [s for s in all_splits if mixing_enabled(cfg, s)]},
+            "rollouts": {"length": lab.rollouts.length,
+                         "splits": [s for s in all_splits if rollouts_enabled(cfg, s)]},
+        },
+        "splits": splits,
+        "bytes_per_token": bpt,
+    }
+    path = out / storage.MANIFEST
+    atomic_write_json(path, manifest)
+    log.info("wrote %s (%s)", path, ", ".join(f"{s}: {v['prompts']} prompts, {v['tokens']} tokens" for s, v in splits.items()))
+    return path

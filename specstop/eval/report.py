@@ -1,0 +1,304 @@
+"""The ``specstop eval`` report: a DISCO-Table-1 style comparison on a test split, plus figures.
+
+Rows (stable keys in report.json): target_only, dynheur, static_5, static_opt, heuristic_opt,
+confidence_0.4, confidence_opt, one row per tuned predictor (DISCO, SpecDec++, MCSD ...), MCSD
+predictors also at the paper's beta = 0.4, pearl, oracle. Columns: latency per token (cost model),
+speedup over target only, discard rate N_discarded/N, verification rate N_target/N, mean accepted
+tokens per round without the bonus token (``accepted_per_round``) and with it
+(``tokens_per_round``), improvement over Static SL-opt, and the fraction of the
+Static-opt -> Oracle latency gap closed.
+
+Greedy data use exact replay; sampled data (T > 0) use Monte-Carlo replay (see
+:mod:`specstop.eval.mc_replay` for its approximation); oracle and PEARL are greedy-only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from specstop.eval import plots
+from specstop.eval.cost import CostModel
+from specstop.eval.episodes import ReplayData
+from specstop.eval.mc_replay import mc_replay, rejection_check
+from specstop.eval.pearl import pearl_replay
+from specstop.eval.replay import Counts, oracle_lengths
+from specstop.eval.segments import build_layout, fast_replay, sweep
+from specstop.eval.tune import max_sl_supported, pareto_points
+from specstop.policy import DEFAULT_SL_MAX, PolicySpec
+
+REPORT_SCHEMA_VERSION = 1
+PAPER_FAMILIES = {
+    "disco_ffn": "DISCO",
+    "specdecpp_resnet": "SpecDec++",
+    "mcsd_hidden_mlp": "MCSD hidden",
+    "mcsd_topk_mlp": "MCSD top-k",
+}
+MCSD_BETA = 0.4
+COLUMNS = (
+    "latency_per_token",
+    "speedup",
+    "discard_rate",
+    "verification_rate",
+    "accepted_per_round",
+    "tokens_per_round",
+    "improvement_over_static_opt",
+    "gap_closed",
+)
+
+
+def build_report(
+    data: ReplayData,
+    tuned: dict,
+    cost: CostModel,
+    predictors: dict,
+    skipped: dict,
+    *,
+    out_dir: str | Path,
+    mc_repeats: int = 20,
+) -> dict:
+    """Replay every policy on ``data``, write the figures into ``out_dir``; return the report dict.
+
+    Args:
+        data: the evaluation split, scored with every available predictor (keys = checkpoint names).
+        tuned: the tuned-policy file's content.
+        predictors: {name: {"family", "rule", "reads", ...}} of the scored predictors.
+        skipped: {name: reason} for predictors that could not be used.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sampled = data.temperature > 0
+    layout = None if sampled else build_layout(data)
+    supported = None if sampled else max_sl_supported(data)
+    cap20 = DEFAULT_SL_MAX if supported is None else min(DEFAULT_SL_MAX, supported)
+    rows: dict[str, dict] = {}
+    skipped_rows = dict(skipped)
+
+    def run(name: str, label: str, spec: PolicySpec) -> None:
+        try:
+            if sampled:
+                m = mc_replay(data, spec, cost, repeats=mc_repeats)
+            else:
+                if spec.kind != "static" and spec.sl_max > cap20 and supported is not None:
+                    raise ValueError(
+                        f"SL_max {spec.sl_max} exceeds what the stored rollouts support ({supported})"
+                    )
+                m = fast_replay(data, spec, layout).metrics(cost)
+        except (KeyError, ValueError) as err:
+            skipped_rows[name] = f"{type(err).__name__}: {err}"
+            return
+        rows[name] = {"label": label, "spec": spec.to_dict(), **m}
+
+    n = data.num_tokens
+    rows["target_only"] = {
+        "label": "target only",
+        "spec": None,
+        **Counts(n=n, rounds=n, prompts=data.num_prompts, target_only=n).metrics(cost),
+    }
+    run("dynheur", "dynHeur (start 5)", PolicySpec(kind="heuristic", start=5, sl_max=cap20))
+    run("static_5", "Static SL-5", PolicySpec(kind="static", k=5))
+    pols = tuned.get("policies", {})
+
+    def tuned_spec(name: str) -> PolicySpec | None:
+        if name not in pols:
+            skipped_rows[name] = f"not in the tuned-policy file ({tuned.get('_path', 'tuned.json')})"
+            return None
+        return PolicySpec.from_dict(pols[name]["spec"])
+
+    if (sp := tuned_spec("static_opt")) is not None:
+        run("static_opt", f"Static SL-opt (K={sp.k})", sp)
+    if (sp := tuned_spec("heuristic_opt")) is not None:
+        run("heuristic_opt", f"dynHeur tuned (start {sp.start})", sp)
+    run("confidence_0.4", "confidence 0.4", PolicySpec(kind="confidence", threshold=0.4, sl_max=cap20))
+    if (sp := tuned_spec("confidence_opt")) is not None:
+        run("confidence_opt", f"confidence tuned ({sp.threshold:.3g}, max {sp.sl_max})", sp)
+    seen_families = set()
+    for name, pol in pols.items():
+        spec = PolicySpec.from_dict(pol["spec"])
+        if spec.kind != "predictor":
+            continue
+        seen_families.add(spec.family)
+        paper = PAPER_FAMILIES.get(spec.family, spec.family)
+        if name not in predictors:
+            skipped_rows[name] = skipped.get(name, "its checkpoint was not scored on this split")
+            continue
+        sym = "h" if spec.rule == "cumprod" else "tau"
+        run(name, f"{paper} [{name}] tuned ({sym}={spec.threshold:.3g}, max {spec.sl_max})", spec)
+        if spec.family in ("mcsd_hidden_mlp", "mcsd_topk_mlp"):
+            run(
+                f"{name}_beta0.4",
+                f"{paper} [{name}] beta=0.4 (max {cap20})",
+                replace(spec, threshold=MCSD_BETA, sl_max=cap20),
+            )
+    for fam, paper in PAPER_FAMILIES.items():
+        if fam not in seen_families:
+            skipped_rows[paper] = (
+                f"no tuned {fam} predictor in the tuned-policy file (train one and pass --checkpoint to specstop tune)"
+            )
+    if sampled:
+        skipped_rows["pearl"] = "PEARL's timing model is replayed on greedy data only"
+        skipped_rows["oracle"] = "the oracle needs greedy matches (greedy data only)"
+    else:
+        rows["pearl"] = {
+            "label": "PEARL (timing model)",
+            "spec": {"kind": "pearl"},
+            **pearl_replay(data, cost),
+        }
+        run("oracle", "Oracle", PolicySpec(kind="oracle"))
+    _relative_columns(rows)
+
+    figures = {}
+    extras = {}
+    if not sampled:
+        static_pts = [
+            {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost)}
+            for k in range(1, cap20 + 1)
+        ]
+        sweeps, tuned_pts = {}, {}
+        for name, r in rows.items():
+            spec = r.get("spec")
+            if (
+                spec
+                and spec.get("kind") in ("predictor", "confidence")
+                and not name.endswith("_beta0.4")
+                and name != "confidence_0.4"
+            ):
+                ps = PolicySpec.from_dict(spec)
+                sweeps[name] = pareto_points(sweep(data, ps, layout))
+                tuned_pts[name] = r
+        others = {k: rows[k] for k in ("oracle", "dynheur", "pearl") if k in rows}
+        figures["pareto"] = plots.pareto_plot(
+            out_dir / "pareto.png", static_pts, sweeps, tuned_pts, others
+        ).name
+        lens = oracle_lengths(data)
+        extras["oracle_sl"] = {
+            "mean": float(lens.mean()) if len(lens) else None,
+            "std": float(lens.std()) if len(lens) else None,
+            "rounds": int(len(lens)),
+        }
+        figures["oracle_hist"] = plots.oracle_histogram(out_dir / "oracle_sl_hist.png", lens).name
+        extras["static_curve"] = [
+            {k: p[k] for k in ("k", "latency_per_token", "verification_rate", "discard_rate")}
+            for p in static_pts
+        ]
+    label = data.accept_expected if sampled else data.greedy_match.astype(float)
+    cal = {
+        name: plots.calibration_bins(data.row_scores[name], label)
+        for name in predictors
+        if name in data.row_scores
+    }
+    if cal:
+        figures["calibration"] = plots.calibration_plot(
+            out_dir / "calibration.png", cal, "1 - TV" if sampled else "greedy match"
+        ).name
+        extras["calibration"] = cal
+    if sampled:
+        chk = rejection_check(data, cost)
+        extras["rejections_vs_tv"] = chk
+        figures["rejections"] = plots.rejections_plot(out_dir / "rejections_vs_tv.png", chk).name
+
+    tuned_on = tuned.get("dataset")
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "dataset": data.source,
+        "tuned_on": {"dataset": tuned_on, "split": tuned.get("split")},
+        "transfer": bool(tuned_on)
+        and str(Path(str(tuned_on)).resolve()) != str(Path(data.source.rsplit(":", 1)[0]).resolve()),
+        "mode": "monte-carlo (sampled data)" if sampled else "exact greedy replay",
+        "tokens": data.num_tokens,
+        "prompts": data.num_prompts,
+        "cost_model": cost.to_dict(),
+        "columns": list(COLUMNS),
+        "notes": {
+            "accepted_per_round": "accepted draft tokens per round, WITHOUT the target's bonus/correction token",
+            "tokens_per_round": "emitted tokens per round (N / N_target), WITH the bonus/correction token",
+            "gap_closed": "(latency(static_opt) - latency) / (latency(static_opt) - latency(oracle))",
+        },
+        "rows": rows,
+        "skipped": skipped_rows,
+        "figures": figures,
+        **extras,
+    }
+
+
+def _relative_columns(rows: dict) -> None:
+    so = rows.get("static_opt", {}).get("latency_per_token")
+    orc = rows.get("oracle", {}).get("latency_per_token")
+    for r in rows.values():
+        lat = r["latency_per_token"]
+        r["improvement_over_static_opt"] = None if so is None else (so - lat) / so
+        r["gap_closed"] = None if (so is None or orc is None or so == orc) else (so - lat) / (so - orc)
+
+
+def _fmt(v, pct=False) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (float, np.floating)):
+        return f"{100 * v:.1f}%" if pct else f"{v:.4g}"
+    return str(v)
+
+
+def to_markdown(rep: dict) -> str:
+    """The report as Markdown (table + notes + figures + skipped)."""
+    c = rep["cost_model"]
+    lines = [
+        "# specstop eval report",
+        "",
+        f"- data: `{rep['dataset']}` ({rep['prompts']} prompts, {rep['tokens']} tokens), {rep['mode']}",
+        f"- tuned on: `{rep['tuned_on']['dataset']}` split `{rep['tuned_on']['split']}`"
+        + (" (transfer)" if rep["transfer"] else ""),
+        f"- cost model `{c['name']}`: t_draft={c['t_draft']:g}s, t_target={c['t_target']:g}s, verify/token={c['verify_per_token']:g}s, predictor/step={c['predictor_per_step']:g}s",
+        "",
+        "| policy | latency/token (s) | speedup | discard rate | verification rate | accepted/round (no bonus) | tokens/round (with bonus) | vs Static-opt | gap closed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["rows"].values():
+        lines.append(
+            f"| {r['label']} | {r['latency_per_token']:.5f} | {r['speedup']:.3f}x | {r['discard_rate']:.3f} | {r['verification_rate']:.3f} | "
+            f"{r['accepted_per_round']:.2f} | {r['tokens_per_round']:.2f} | {_fmt(r['improvement_over_static_opt'], True)} | {_fmt(r['gap_closed'], True)} |"
+        )
+    lines += ["", "Notes:"]
+    lines += [f"- `{k}`: {v}" for k, v in rep["notes"].items()]
+    if "oracle_sl" in rep:
+        o = rep["oracle_sl"]
+        if o["mean"] is not None:
+            lines.append(
+                f"- oracle speculation length: mean {o['mean']:.2f}, std {o['std']:.2f} over {o['rounds']} rounds"
+            )
+    if "rejections_vs_tv" in rep:
+        r = rep["rejections_vs_tv"]
+        lines.append(
+            f"- Theorem 1 check: MC mean rejections {r['rejections_mc_mean']:.2f} vs sum of E[TV] {r['sum_tv']:.2f}"
+        )
+    if rep["mode"].startswith("monte"):
+        lines.append(
+            "- Monte-Carlo approximation: independent acceptance with prob. 1 - TV per position, continuing along the recorded response after a rejection."
+        )
+    if rep.get("figures"):
+        lines += ["", "Figures:"] + [f"- {k}: ![{k}]({v})" for k, v in rep["figures"].items()]
+    if rep.get("skipped"):
+        lines += ["", "Skipped:"] + [f"- {k}: {v}" for k, v in rep["skipped"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(rep: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    j = out_dir / "report.json"
+    j.write_text(json.dumps(rep, indent=2, default=_json_default) + "\n")
+    m = out_dir / "report.md"
+    m.write_text(to_markdown(rep))
+    return m, j
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)

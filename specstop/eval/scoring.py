@@ -1,0 +1,158 @@
+"""Apply a stopping predictor to every row of a replay split, in big batches.
+
+For ``dist`` predictors each token row and rollout step is scored on its own distribution
+features (topk, entropy, position). For ``hidden`` predictors each row is scored on its ``hidden``
+(the draft state after that row's token is fed in), rollout steps on theirs, and each mismatch
+additionally on ``mismatch_hidden`` (the state after d_m). Which score a policy step then uses is
+replay's business (dist: token j; hidden: token j - 1; see docs/design.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specstop.eval.episodes import ReplayData
+
+BATCH = 65536
+
+
+def load_checkpoint(path: str | Path):
+    """``(predictor, meta)`` from a checkpoint written by ``specstop train``."""
+    from specstop.models.checkpoint import load_predictor
+
+    return load_predictor(path)
+
+
+@torch.no_grad()
+def predict(predictor, x: np.ndarray | torch.Tensor, batch: int = BATCH) -> np.ndarray:
+    """``[B, input_dim]`` -> ``[B]`` float64 acceptance probabilities (sigmoid of the logit)."""
+    predictor.eval()
+    x = torch.as_tensor(x)
+    out = np.empty(len(x), dtype=np.float64)
+    for i in range(0, len(x), batch):
+        out[i : i + batch] = torch.sigmoid(predictor(x[i : i + batch].float())).double().numpy()
+    return out
+
+
+def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, predictor) -> None:
+    """Score every row of ``split`` with ``predictor`` and store it in ``data`` under ``key``.
+
+    Raises:
+        ValueError: a hidden-state predictor on a dataset without stored hidden states (regenerate
+            with hidden states), or a width mismatch between predictor and dataset.
+    """
+    from specstop.data_gen.storage import load_arrays, read_manifest
+
+    spec = predictor.feature_spec
+    man = read_manifest(data_dir)
+    order = getattr(data, "_order", None)
+    if order is None:
+        raise ValueError("score_split needs ReplayData from load_replay_data (it keeps the row order)")
+    r_order = getattr(data, "_rollout_order", np.zeros(0, dtype=np.int64))
+    r_steps = getattr(data, "_rollout_steps", np.zeros(0, dtype=np.int64))
+    if spec.kind == "hidden":
+        if not man["labels"].get("hidden_states"):
+            raise ValueError(
+                f"predictor {key!r} reads draft hidden states but {data_dir} has none; regenerate with "
+                "hidden states (labels.hidden_states: true) or use a dist predictor"
+            )
+        if int(man["labels"]["hidden_size"]) != spec.hidden_size:
+            raise ValueError(
+                f"predictor {key!r} expects hidden size {spec.hidden_size} but {data_dir} stores "
+                f"{man['labels']['hidden_size']}: it was trained on another draft model"
+            )
+        tok = load_arrays(data_dir, "tokens", split, columns=["hidden"])
+        row = predict(predictor, spec.build(hidden=torch.from_numpy(tok["hidden"][order])))
+        rollout = mismatch = None
+        if len(r_order):
+            roll = load_arrays(data_dir, "rollouts", split, columns=["hidden", "mismatch_hidden"])
+            flat, _ = roll["hidden"]
+            h = spec.hidden_size
+            rollout = predict(predictor, torch.from_numpy(flat.reshape(-1, h)[r_steps]))
+            mismatch = predict(predictor, torch.from_numpy(roll["mismatch_hidden"][r_order]))
+        data.add_scores(key, "hidden", row, rollout, mismatch)
+        return
+    k = spec.k
+    tok = load_arrays(data_dir, "tokens", split, columns=["topk", "entropy", "position"])
+    x = spec.build(
+        topk=torch.from_numpy(tok["topk"][order]),
+        entropy=torch.from_numpy(tok["entropy"][order]),
+        position=torch.from_numpy(tok["position"][order].astype(np.int64)),
+    )
+    row = predict(predictor, x)
+    rollout = None
+    if len(r_order):
+        roll = load_arrays(data_dir, "rollouts", split, columns=["topk", "entropy", "position"])
+        topk_flat, _ = roll["topk"]
+        ent_flat, ent_off = roll["entropy"]
+        width = int(man["labels"]["topk_k"])
+        topk = topk_flat.reshape(-1, width)[r_steps]
+        ent = ent_flat[r_steps]
+        # Rollout step t of mismatch m sits at response position m + t.
+        lens = np.diff(ent_off)
+        step_pos = np.repeat(roll["position"].astype(np.int64), lens) + (
+            np.arange(len(ent_flat)) - np.repeat(ent_off[:-1], lens) + 1
+        )
+        x = spec.build(
+            topk=torch.from_numpy(topk[:, :k] if topk.shape[1] >= k else topk),
+            entropy=torch.from_numpy(ent),
+            position=torch.from_numpy(step_pos[r_steps]),
+        )
+        rollout = predict(predictor, x)
+    data.add_scores(key, "dist", row, rollout, None)
+
+
+# Default stopping rule per predictor family (docs/design.md "Policies").
+FAMILY_RULES = {
+    "disco_ffn": ("below", "dist"),
+    "mcsd_topk_mlp": ("below", "dist"),
+    "mcsd_hidden_mlp": ("below", "hidden"),
+    "specdecpp_resnet": ("cumprod", "hidden"),
+}
+
+
+def family_rule(family: str, feature_kind: str) -> tuple[str, str]:
+    """(rule, reads) for a family; unknown families: ``below`` on their feature kind."""
+    return FAMILY_RULES.get(family, ("below", feature_kind))
+
+
+def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict) -> tuple[dict, dict]:
+    """Score ``data`` with every ``{name: checkpoint path}``; a failing one is skipped with its reason.
+
+    Returns:
+        (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {name: reason}).
+    """
+    info, skipped = {}, {}
+    for name, path in checkpoints.items():
+        try:
+            predictor, meta = load_checkpoint(path)
+            score_split(data, data_dir, split, name, predictor)
+        except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
+            skipped[name] = f"{type(err).__name__}: {err}"
+            continue
+        family = meta.get("family") or predictor.family
+        rule, reads = family_rule(family, predictor.feature_spec.kind)
+        info[name] = {
+            "family": family,
+            "rule": rule,
+            "reads": reads,
+            "path": str(path),
+            "label": meta.get("label"),
+        }
+    return info, skipped
+
+
+def parse_checkpoint_args(items) -> dict:
+    """``["name=PATH", "PATH"]`` -> ``{name: PATH}`` (a bare path is named after its file stem)."""
+    out = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).stem, item
+        if not name or not path:
+            raise ValueError(f"--checkpoint {item!r}: use NAME=PATH")
+        out[name] = path
+    return out

@@ -1,0 +1,202 @@
+"""Threshold tuning: choose tau / h / beta and SL_max minimising simulated latency, exactly.
+
+The latency of a threshold policy on a split is piecewise constant in the threshold, with
+breakpoints at the distinct step values the policy can compare against (scores for ``below``,
+reachable prefix products for SpecDec++'s ``cumprod``). :func:`specstop.eval.segments.sweep`
+computes the counts on *every* interval between breakpoints at once (per-segment step functions
+merged by one sort + cumulative sum), so the optimum found here is the exact optimum over all
+thresholds, not a grid's. Static K, the heuristic's start and the confidence threshold are tuned
+on the same split for fair comparisons. The papers' grid (SpecDec++ h in {0.1, ..., 0.9}) is
+read off the same step function for comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from specstop.eval.cost import CostModel
+from specstop.eval.episodes import ReplayData
+from specstop.eval.replay import Counts
+from specstop.eval.segments import Curve, SlotLayout, build_layout, fast_replay, sweep, threshold_from_x
+from specstop.policy import PolicySpec
+
+SPECDECPP_GRID = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEFAULT_SL_MAX_GRID = (4, 8, 12, 16, 20)
+PARETO_POINTS = 400
+
+
+def curve_latency(curve: Curve, cost: CostModel) -> np.ndarray:
+    """[M+1] latency per token on each interval of the step function."""
+    return cost.latency_per_token(curve.rounds, curve.drafted, curve.n)
+
+
+def pareto_points(curve: Curve, max_points: int = PARETO_POINTS) -> dict:
+    """Verification rate vs discard rate along a threshold sweep (subsampled, endpoints kept)."""
+    m = len(curve.rounds)
+    idx = np.unique(np.linspace(0, m - 1, min(m, max_points)).round().astype(np.int64))
+    n = max(curve.n, 1)
+    return {
+        "verification_rate": (curve.rounds[idx] / n).tolist(),
+        "discard_rate": ((curve.drafted[idx] - curve.accepted[idx]) / n).tolist(),
+    }
+
+
+def tune_threshold(
+    data: ReplayData,
+    base: PolicySpec,
+    cost: CostModel,
+    sl_max_grid=DEFAULT_SL_MAX_GRID,
+    *,
+    layout: SlotLayout | None = None,
+    paper_grid=None,
+) -> tuple[PolicySpec, dict]:
+    """Exact search over every threshold interval and each SL_max in the grid.
+
+    Args:
+        data: the tuning split (with scores for predictor policies).
+        base: a ``confidence`` or ``predictor`` spec (its threshold and sl_max are replaced).
+        cost: the latency model minimised.
+        sl_max_grid: SL_max candidates.
+        paper_grid: thresholds to report for comparison (e.g. SpecDec++'s h grid) at the best SL_max.
+
+    Returns:
+        (best spec, validation record: metrics of the best, per-SL_max optima, number of
+        breakpoints searched, the paper grid's latencies, Pareto points of the best SL_max's sweep).
+    """
+    layout = layout or build_layout(data)
+    per = []
+    best = None
+    curves = {}
+    for sl in sorted(set(int(v) for v in sl_max_grid)):
+        spec = replace(base, sl_max=sl)
+        curve = sweep(data, spec, layout)
+        lat = curve_latency(curve, cost)
+        i = int(np.argmin(lat))
+        thr = threshold_from_x(spec, curve.representative(i))
+        rec = {
+            "sl_max": sl,
+            "threshold": thr,
+            "latency_per_token": float(lat[i]),
+            "breakpoints": int(len(curve.b)),
+        }
+        per.append(rec)
+        curves[sl] = curve
+        if best is None or lat[i] < best[0] - 1e-15:
+            best = (float(lat[i]), sl, thr, i)
+    _, sl, thr, i = best
+    spec = replace(base, sl_max=sl, threshold=float(thr))
+    curve = curves[sl]
+    record = {
+        **curve.counts(i).metrics(cost),
+        "search": {
+            "method": "exact: every breakpoint of the piecewise-constant objective",
+            "per_sl_max": per,
+            "interval": _interval(curve, i, spec),
+        },
+        "pareto": pareto_points(curve),
+    }
+    if paper_grid:
+        record["paper_grid"] = [
+            {
+                "threshold": float(t),
+                **curve.counts(curve.index(-t if spec.rule == "cumprod" else t)).metrics(cost),
+            }
+            for t in paper_grid
+        ]
+    return spec, record
+
+
+def _interval(curve: Curve, i: int, spec: PolicySpec) -> dict:
+    """The optimal threshold interval, in threshold units."""
+    lo = float(curve.b[i - 1]) if i > 0 else -np.inf
+    hi = float(curve.b[i]) if i < len(curve.b) else np.inf
+    a, b = threshold_from_x(spec, lo), threshold_from_x(spec, hi)
+    if spec.rule == "cumprod":  # x in (lo, hi]  <=>  h in [-hi, -lo)
+        return {"from": _num(b), "to": _num(a), "closed": "left"}
+    return {"from": _num(a), "to": _num(b), "closed": "right"}
+
+
+def _num(v: float):
+    return v if np.isfinite(v) else None
+
+
+def tune_static(
+    data: ReplayData, cost: CostModel, k_max: int, *, layout: SlotLayout | None = None
+) -> tuple[PolicySpec, dict]:
+    """Static SL-opt (DISCO): the best K in 1..k_max."""
+    layout = layout or build_layout(data)
+    table = []
+    for k in range(1, int(k_max) + 1):
+        c = fast_replay(data, PolicySpec(kind="static", k=k), layout)
+        table.append({"k": k, **c.metrics(cost)})
+    best = min(table, key=lambda r: r["latency_per_token"])
+    return PolicySpec(kind="static", k=best["k"]), {
+        **best,
+        "search": {"per_k": [{"k": r["k"], "latency_per_token": r["latency_per_token"]} for r in table]},
+    }
+
+
+def tune_heuristic(
+    data: ReplayData,
+    cost: CostModel,
+    starts=range(1, 11),
+    sl_max: int = 20,
+    *,
+    layout: SlotLayout | None = None,
+) -> tuple[PolicySpec, dict]:
+    """The heuristic schedule's start value (cap ``sl_max``)."""
+    layout = layout or build_layout(data)
+    table = []
+    for st in starts:
+        c = fast_replay(data, PolicySpec(kind="heuristic", start=int(st), sl_max=sl_max), layout)
+        table.append({"start": int(st), **c.metrics(cost)})
+    best = min(table, key=lambda r: r["latency_per_token"])
+    spec = PolicySpec(kind="heuristic", start=best["start"], sl_max=sl_max)
+    return spec, {
+        **best,
+        "search": {
+            "per_start": [{"start": r["start"], "latency_per_token": r["latency_per_token"]} for r in table]
+        },
+    }
+
+
+def evaluate(
+    data: ReplayData, spec: PolicySpec, cost: CostModel, *, layout: SlotLayout | None = None
+) -> dict:
+    """Metrics of one policy on a split (fast exact replay)."""
+    return fast_replay(data, spec, layout).metrics(cost)
+
+
+def max_sl_supported(data: ReplayData) -> int | None:
+    """Largest SL_max the stored rollouts support everywhere (None: no mismatches)."""
+    mm = np.flatnonzero(~data.greedy_match)
+    if not len(mm):
+        return None
+    r = data.rollout_of_row[mm]
+    if (r < 0).any():
+        return 1
+    lens = np.diff(data.r_offsets)[r]
+    ends_eos = np.zeros(len(r), dtype=bool)
+    has = lens > 0
+    ends_eos[has] = data.r_tokens[data.r_offsets[r[has]] + lens[has] - 1] == data.eos_token_id
+    prompt = np.searchsorted(data.offsets, mm, side="right") - 1
+    pos = mm - data.offsets[prompt]
+    # Truncated at max_new_tokens - 2 or ended by EOS: long enough for any SL_max.
+    full = ends_eos | (pos + lens >= data.max_new_tokens - 2)
+    short = lens[~full]
+    return None if not len(short) else int(short.min()) + 1
+
+
+def check_sl_max(data: ReplayData, sl_max: int) -> None:
+    cap = max_sl_supported(data)
+    if cap is not None and sl_max > cap:
+        raise ValueError(
+            f"SL_max {sl_max} needs rollouts of {sl_max - 1} steps but {data.source or 'the data'} stores only "
+            f"{cap - 1}; regenerate with a longer --rollout-length (labels.rollouts.length) or lower SL_max to {cap}"
+        )
+
+
+def counts_of(curve: Curve, spec: PolicySpec) -> Counts:
+    return curve.counts(curve.index(-spec.threshold if spec.rule == "cumprod" else spec.threshold))

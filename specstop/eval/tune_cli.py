@@ -1,0 +1,149 @@
+"""``specstop tune``: tune every policy's thresholds / lengths on a validation split.
+
+Writes the tuned-policy file of docs/design.md::
+
+    {"schema_version": 1, "policies": {name: {"spec": PolicySpec dict, "validation": metrics}},
+     "best": name, "cost_model": CostModel dict, "dataset": path, "checkpoints": {name: path}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from specstop.eval.cost import PRESETS, load_cost_model
+from specstop.eval.episodes import load_replay_data
+from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
+from specstop.eval.segments import build_layout
+from specstop.eval.tune import (
+    SPECDECPP_GRID,
+    check_sl_max,
+    max_sl_supported,
+    tune_heuristic,
+    tune_static,
+    tune_threshold,
+)
+from specstop.policy import DEFAULT_SL_MAX, PolicySpec
+
+log = logging.getLogger("specstop")
+TUNED_SCHEMA_VERSION = 1
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--data", required=True, help="dataset folder (specstop generate output)")
+    p.add_argument("--split", default="validation", help="split to tune on (default: validation)")
+    p.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="predictor checkpoint (repeatable)",
+    )
+    p.add_argument(
+        "--cost-model", default="llama2-7b-70b", help=f"preset ({', '.join(PRESETS)}) or cost.json"
+    )
+    p.add_argument("--out", required=True, help="tuned-policy JSON to write")
+    p.add_argument("--sl-max-grid", default="4,8,12,16,20", help="SL_max candidates, comma separated")
+    p.add_argument("--heuristic-starts", default="1,2,3,4,5,6,8,10", help="heuristic start values to try")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def run(args) -> int:
+    cost = load_cost_model(args.cost_model)
+    grid = _ints(args.sl_max_grid)
+    tuned = tune_dataset(
+        args.data,
+        args.split,
+        parse_checkpoint_args(args.checkpoint),
+        cost,
+        sl_max_grid=grid,
+        heuristic_starts=_ints(args.heuristic_starts),
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(tuned, indent=2) + "\n")
+    for name, pol in tuned["policies"].items():
+        v = pol["validation"]
+        log.info(
+            "%-18s %-40s latency/token %.5f  speedup %.3f",
+            name,
+            PolicySpec.from_dict(pol["spec"]).label,
+            v["latency_per_token"],
+            v["speedup"],
+        )
+    for name, why in tuned["skipped"].items():
+        log.info("%-18s skipped: %s", name, why)
+    log.info("best: %s -> %s", tuned["best"], out)
+    return 0
+
+
+def tune_dataset(
+    data_dir,
+    split: str,
+    checkpoints: dict,
+    cost,
+    *,
+    sl_max_grid=(4, 8, 12, 16, 20),
+    heuristic_starts=(1, 2, 3, 4, 5, 6, 8, 10),
+) -> dict:
+    """Tune everything on ``split`` of ``data_dir``; returns the tuned-policy dict (see module docstring)."""
+    t0 = time.perf_counter()
+    data = load_replay_data(data_dir, split)
+    if data.temperature > 0:
+        log.warning(
+            "dataset was sampled at T=%g: tuning uses greedy replay of its rollouts/matches", data.temperature
+        )
+    for sl in sl_max_grid:
+        check_sl_max(data, sl)
+    info, skipped = score_checkpoints(data, data_dir, split, checkpoints)
+    layout = build_layout(data)
+    policies = {}
+    k_max = max(sl_max_grid)
+    spec, rec = tune_static(data, cost, k_max, layout=layout)
+    policies["static_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    # The heuristic keeps the default cap (20) unless the rollouts support less.
+    supported = max_sl_supported(data)
+    h_cap = DEFAULT_SL_MAX if supported is None else min(DEFAULT_SL_MAX, supported)
+    spec, rec = tune_heuristic(data, cost, heuristic_starts, sl_max=h_cap, layout=layout)
+    policies["heuristic_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    spec, rec = tune_threshold(
+        data, PolicySpec(kind="confidence", threshold=0.4), cost, sl_max_grid, layout=layout
+    )
+    policies["confidence_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    for name, meta in info.items():
+        base = PolicySpec(
+            kind="predictor",
+            family=meta["family"],
+            rule=meta["rule"],
+            reads=meta["reads"],
+            extra={"scores": name, "checkpoint": name},
+        )
+        grid = SPECDECPP_GRID if meta["rule"] == "cumprod" else None
+        spec, rec = tune_threshold(data, base, cost, sl_max_grid, layout=layout, paper_grid=grid)
+        policies[name] = {"spec": spec.to_dict(), "validation": rec}
+    best = min(policies, key=lambda n: policies[n]["validation"]["latency_per_token"])
+    return {
+        "schema_version": TUNED_SCHEMA_VERSION,
+        "policies": policies,
+        "best": best,
+        "cost_model": cost.to_dict(),
+        "dataset": str(data_dir),
+        "split": split,
+        "checkpoints": {n: m["path"] for n, m in info.items()},
+        "predictors": info,
+        "skipped": skipped,
+        "tokens": data.num_tokens,
+        "prompts": data.num_prompts,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

@@ -1,0 +1,350 @@
+"""A lossless speculative decoder driven by any :class:`~specstop.export.runtime.StoppingPolicy`.
+
+Batch size 1 (one prompt at a time; the runtime has a batched policy form, the decoder does not
+batch sequences yet).
+
+Round semantics are those of docs/design.md "Speculative decoding rounds", shared with the replay:
+
+1. ``K_cap = min(policy cap, remaining - 1)``; ``K_cap == 0`` -> one target step, no draft.
+2. Draft y_1, y_2, ... (greedy: argmax; sampling: y_j ~ q_j). After each token the policy decides;
+   drafting also stops at ``j == K_cap`` and after an EOS token.
+3. One target forward over the K drafted tokens gives p_{s}..p_{s+K}. Greedy: accept the leading
+   tokens equal to the target's argmax, then emit the target's token. Sampling (Leviathan et al.,
+   SpecDec++ Algorithm 1): accept y_i while r_i < min(1, p_i(y_i)/q_i(y_i)); on the first rejection
+   resample from norm(max(p - q, 0)); if all K are accepted, sample a bonus token from p_{s+K}.
+   Emitting EOS ends the response, so nothing after an accepted EOS is emitted.
+
+Both models keep KV caches (HF ``DynamicCache``, or ``StaticCache`` with ``static_cache=True``),
+rolled back to the accepted prefix after every round. The draft forward that yields q_j also yields
+the final hidden state of y_{j-1} (``output_hidden_states=True``), which is what SpecDec++ / MCSD
+hidden heads score - no second draft forward.
+
+Counter conventions: ``N`` counts emitted tokens (so an accepted EOS that ends the response adds n,
+not n + 1), ``N_target`` target forwards (excluding the prompt prefill), ``N_draft`` drafted tokens,
+``N_discarded`` drafted tokens not accepted. ``accepted_per_round`` is n (without the bonus token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from specstop.export.runtime import StoppingPolicy
+from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
+
+__all__ = ["DecodeResult", "SpeculativeDecoder", "eos_token_ids"]
+
+
+@dataclass
+class DecodeResult:
+    """Attributes:
+    token_ids: the generated tokens (prompt excluded).
+    text: their decoded text (special tokens skipped).
+    counters: N, N_target, N_draft, N_discarded, rounds, stop_reason ("eos" | "length").
+    round_lengths: K per round (0 for a target-only step).
+    accepted_per_round: n per round (accepted drafted tokens, bonus not counted).
+    timings: seconds spent in prefill, draft, target, predictor, total.
+    """
+
+    token_ids: list[int]
+    text: str
+    counters: dict[str, Any]
+    round_lengths: list[int]
+    accepted_per_round: list[int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def eos_token_ids(pair) -> set[int]:
+    """The ids that end a response: the target's generation config's EOS list (what ``generate``
+    stops on), plus the tokenizer's EOS."""
+    ids: set[int] = set()
+    gen_eos = getattr(pair.target.generation_config, "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update([gen_eos] if isinstance(gen_eos, int) else list(gen_eos))
+    if pair.tokenizer.eos_token_id is not None:
+        ids.add(int(pair.tokenizer.eos_token_id))
+    return ids
+
+
+class _Timer:
+    """Accumulates wall-clock per phase; synchronises CUDA so GPU work is attributed correctly."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "predictor": 0.0}
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, phase: str, t0: float) -> float:
+        t1 = self.now()
+        self.totals[phase] += t1 - t0
+        return t1
+
+
+class _LM:
+    """One model plus its KV cache and the number of sequence tokens the cache holds."""
+
+    def __init__(self, model, static_cache: bool, max_len: int, compile: bool) -> None:
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.static = static_cache
+        if static_cache:
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        else:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
+        self.length = 0  # tokens of the sequence held in the cache
+        self.forward = model.forward
+        if compile:
+            # Static shapes per input length; the decode path only ever feeds 1..K+1 tokens.
+            self.forward = torch.compile(model.forward, dynamic=False, fullgraph=False)
+
+    @torch.no_grad()
+    def feed(self, tokens: list[int], keep_logits: int, hidden: bool = False, layer: int = -1):
+        """Feed ``tokens`` after the cached prefix.
+
+        Returns:
+            ``(logits [keep_logits, V_model], hidden [H] | None)``: hidden is ``hidden_states[layer]``
+            of the last fed token (-1: the final state after the final norm, as in the dataset).
+        """
+        n = len(tokens)
+        ids = torch.tensor([tokens], device=self.device)
+        # Explicit positions: a static cache does not know its logical length after a rollback.
+        pos = torch.arange(self.length, self.length + n, device=self.device)
+        out = self.forward(
+            input_ids=ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            cache_position=pos,
+            position_ids=pos.unsqueeze(0),
+            output_hidden_states=hidden,
+            logits_to_keep=keep_logits,
+        )
+        self.length += n
+        h = out.hidden_states[layer][0, -1] if hidden else None
+        return out.logits[0, -keep_logits:], h
+
+    def rollback(self, keep: int) -> None:
+        """Drop cached tokens past the first ``keep`` (rejected drafts)."""
+        if keep >= self.length:
+            return
+        if self.static:
+            # Stale entries past `keep` are masked by position and overwritten by the next feed.
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.cumulative_length.fill_(keep)
+        else:
+            self.cache.crop(keep - self.length)  # transformers 5: a negative count removes tokens
+        self.length = keep
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of one prompt at a time with a stopping policy.
+
+    Args:
+        pair: the draft/target :class:`~specstop.pair.ModelPair`.
+        policy: any :class:`StoppingPolicy` (static, heuristic, confidence, exported predictor).
+        decoding: the decoding transform for both models (temperature 0 = greedy).
+        static_cache: use HF ``StaticCache`` (needed for ``compile``; mainly for CUDA).
+        compile: ``torch.compile`` both models' forwards (CUDA; CPU works but compiles slowly).
+        max_cache_len: static cache size (prompt + new tokens + SL_max is enough).
+    """
+
+    def __init__(
+        self,
+        pair,
+        policy: StoppingPolicy,
+        decoding: DecodingConfig | None = None,
+        *,
+        static_cache: bool = False,
+        compile: bool = False,
+        max_cache_len: int = 4096,
+    ) -> None:
+        self.pair = pair
+        self.policy = policy
+        self.decoding = decoding or DecodingConfig()
+        self.policy.configure(self.decoding, pair.vocab_size)
+        self.vocab_size = pair.vocab_size
+        self.eos = eos_token_ids(pair)
+        self.static_cache = static_cache or compile
+        self.compile = compile
+        self.max_cache_len = max_cache_len
+        self.last_state: dict[str, Any] | None = None  # caches + sequence of the last run (tests inspect it)
+        label_t = policy.config.get("decoding", {}).get("temperature") if policy.config else None
+        if label_t is not None and float(label_t) != self.decoding.temperature:
+            import warnings
+
+            warnings.warn(
+                f"policy {policy.label} was trained on labels made at temperature {label_t}, decoding runs at "
+                f"{self.decoding.temperature}: its scores may be miscalibrated (decoding stays lossless)",
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _pick(self, logits: torch.Tensor, probs: torch.Tensor | None, gen: torch.Generator | None) -> int:
+        """Greedy: argmax of the shared-vocabulary logits (what HF greedy does); else a sample."""
+        if self.decoding.greedy:
+            return int(logits[..., : self.vocab_size].argmax(-1))
+        return int(torch.multinomial(probs.to(gen.device), 1, generator=gen))
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.decoding, self.vocab_size)
+
+    # ------------------------------------------------------------------ main loop
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (batch size 1).
+
+        Args:
+            prompt_ids: the rendered prompt's token ids (non-empty).
+            max_new_tokens: length cap; the response never exceeds it.
+            seed: seeds the draft samples, the acceptance uniforms and the resampling (sampling only).
+        """
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: give at least one token (e.g. the chat template's header)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
+        max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2
+        if self.static_cache and max_len > self.max_cache_len:
+            raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds max_cache_len={self.max_cache_len}")
+        draft = _LM(pair.draft, self.static_cache, self.max_cache_len, self.compile)
+        target = _LM(pair.target, self.static_cache, self.max_cache_len, self.compile)
+        timer = _Timer(target.device)
+        gen = None
+        if not greedy:
+            gen = torch.Generator(device=draft.device)
+            gen.manual_seed(0 if seed is None else int(seed))
+        need_q = (not greedy) or policy.reads_probs
+        need_hidden = policy.reads_hidden
+
+        seq = list(prompt_ids)
+        out: list[int] = []
+        rounds_k: list[int] = []
+        rounds_n: list[int] = []
+        n_target = n_draft = n_discarded = 0
+        stop_reason = "length"
+        t_start = timer.now()
+
+        # Prefill everything but the last prompt token; it is fed with the first round.
+        if len(seq) > 1:
+            t0 = timer.now()
+            draft.feed(seq[:-1], keep_logits=1)
+            t0 = timer.add("prefill", t0)
+            target.feed(seq[:-1], keep_logits=1)
+            timer.add("prefill", t0)
+
+        while len(out) < max_new_tokens:
+            s = len(out)
+            remaining = max_new_tokens - s
+            k_cap = min(policy.cap(), remaining - 1)
+            if k_cap <= 0:
+                # A single target step: a draft could not be verified and still leave room for the bonus.
+                t0 = timer.now()
+                logits, _ = target.feed(seq[target.length :], keep_logits=1)
+                tok = self._pick(logits[-1], None if greedy else self._probs(logits[-1]), gen)
+                timer.add("target", t0)
+                n_target += 1
+                rounds_k.append(0)
+                rounds_n.append(0)
+                seq.append(tok)
+                out.append(tok)
+                if tok in self.eos:
+                    stop_reason = "eos"
+                    break
+                continue
+
+            # ---- draft
+            policy.reset()
+            drafted: list[int] = []
+            qs: list[torch.Tensor] = []
+            feed = seq[draft.length :]
+            for j in range(1, k_cap + 1):
+                t0 = timer.now()
+                logits, hidden = draft.feed(feed, keep_logits=1, hidden=need_hidden, layer=policy.hidden_layer)
+                logits = logits[-1]
+                q = self._probs(logits) if need_q else None
+                y = self._pick(logits, q, gen)
+                t0 = timer.add("draft", t0)
+                # hidden is e_{j-1}: the state after y_{j-1}, from the forward that produced q_j.
+                stop = policy.should_stop(logits, hidden if j > 1 else None, position=s + j - 1, draft_probs=q)
+                timer.add("predictor", t0)
+                drafted.append(y)
+                if q is not None:
+                    qs.append(q)
+                if stop or j == k_cap or y in self.eos:
+                    break
+                feed = [y]
+            k = len(drafted)
+
+            # ---- verify
+            t0 = timer.now()
+            base = len(seq)
+            logits, _ = target.feed(seq[target.length :] + drafted, keep_logits=k + 1)  # rows: p_s .. p_{s+K}
+            if greedy:
+                tgt = logits[:, : self.vocab_size].argmax(-1).tolist()
+                n = 0
+                while n < k and drafted[n] == tgt[n]:
+                    n += 1
+                final = tgt[n]
+            else:
+                p = self._probs(logits)
+                n = 0
+                ys = torch.tensor(drafted, device=p.device)
+                acc = accept_probability(p[:k], torch.stack(qs).to(p.device), ys)
+                r = torch.rand(k, generator=gen, device=gen.device).to(p.device)
+                while n < k and bool(r[n] < acc[n]):
+                    n += 1
+                dist = residual_distribution(p[n], qs[n].to(p.device)) if n < k else p[k]
+                final = int(torch.multinomial(dist.to(gen.device), 1, generator=gen))
+            timer.add("target", t0)
+
+            emitted = drafted[:n] + [final]
+            for i, t in enumerate(emitted):
+                if t in self.eos:
+                    emitted = emitted[: i + 1]
+                    break
+            n_target += 1
+            n_draft += k
+            n_discarded += k - n
+            rounds_k.append(k)
+            rounds_n.append(n)
+            policy.end_round(k, n)
+            seq.extend(emitted)
+            out.extend(emitted)
+            # Roll back: the target keeps everything but the new last token; the draft keeps the
+            # accepted drafted tokens it was fed (y_K never was).
+            target.rollback(len(seq) - 1)
+            draft.rollback(min(draft.length, base + n))
+            if out and out[-1] in self.eos:
+                stop_reason = "eos"
+                break
+
+        total = timer.now() - t_start
+        self.last_state = {"seq": seq, "draft": draft, "target": target}
+        counters = {
+            "N": len(out),
+            "N_target": n_target,
+            "N_draft": n_draft,
+            "N_discarded": n_discarded,
+            "rounds": len(rounds_k),
+            "stop_reason": stop_reason,
+            "policy": policy.label,
+            "batch_size": 1,
+        }
+        timings = dict(timer.totals)
+        timings["total"] = total
+        text = pair.tokenizer.decode(out, skip_special_tokens=True)
+        return DecodeResult(out, text, counters, rounds_k, rounds_n, timings)

@@ -1,0 +1,336 @@
+"""Package a trained, tuned stopping policy as a self-describing folder decoders load.
+
+``DIR/config.json`` (schema below), ``DIR/model.safetensors`` (learned policies only) and
+``DIR/README.md`` (model card). The export checks itself: it reloads DIR through the runtime and
+compares the predictor's outputs with the checkpoint's on a batch of features.
+
+config.json (schema version 1)::
+
+    format, schema_version, specstop_version, created, name
+    policy:     PolicySpec dict (kind, threshold, sl_max, rule, family, reads, ...)
+    predictor:  {family, config, label, num_parameters, weights, dtype} | null
+    features:   FeatureSpec dict (kind, k, use_position, position_scale, hidden_size, hidden_layer) | null
+    decoding:   {temperature, top_k, top_p} the labels were made at | null
+    cost_model: the CostModel dict used for tuning | null
+    validation: the tuner's validation metrics for this policy | null
+    pair:       {name, draft: ModelIdentity, target: ModelIdentity, tokenizer_hash}
+    source:     {checkpoint, tuned, dataset}
+    export_check: {batch, max_abs_diff}
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specstop import __version__
+from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
+from specstop.models import StoppingPredictor, build_predictor
+from specstop.policy import PolicySpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ExportError", "export_policy", "load_checkpoint", "read_tuned", "validate_export"]
+
+MAX_EXPORT_DIFF = 1e-6
+
+
+class ExportError(ValueError):
+    """The inputs cannot make a valid export (the message says what to fix)."""
+
+
+# ---------------------------------------------------------------------- inputs
+def load_checkpoint(path: str | Path) -> tuple[StoppingPredictor, dict]:
+    """``(predictor, meta)`` from a Lightning checkpoint, without importing Lightning.
+
+    Uses ``specstop.models.checkpoint.load_predictor`` when available; otherwise reads the Lightning
+    layout itself (``hyper_parameters`` with family / predictor_config / label; weights under
+    ``predictor.``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `specstop train`)")
+    try:
+        from specstop.models.checkpoint import load_predictor
+    except ImportError:
+        load_predictor = None
+    if load_predictor is not None:
+        predictor, meta = load_predictor(path)
+        return predictor, dict(meta or {})
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    hp = dict(ckpt.get("hyper_parameters") or {})
+    if "family" not in hp or "predictor_config" not in hp:
+        raise ExportError(
+            f"{path} is not a specstop predictor checkpoint: hyper_parameters lack 'family'/'predictor_config'"
+        )
+    predictor = build_predictor(hp["family"], **hp["predictor_config"])
+    sd = {k[len("predictor.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("predictor.")}
+    predictor.load_state_dict(sd, strict=True)
+    predictor.eval()
+    return predictor, hp
+
+
+def read_tuned(path: str | Path) -> dict:
+    """Read a tuned-policy file (design.md "Tuned-policy files")."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tuned-policy file {path} does not exist (write one with `specstop tune`)")
+    tuned = json.loads(path.read_text())
+    if tuned.get("schema_version") != 1 or "policies" not in tuned:
+        raise ExportError(
+            f"{path}: not a tuned-policy file of schema version 1 (found schema_version="
+            f"{tuned.get('schema_version')!r}); rerun `specstop tune` with this specstop version"
+        )
+    return tuned
+
+
+def _read_manifest(dataset: str | Path | None) -> dict | None:
+    if not dataset:
+        return None
+    p = Path(dataset) / "manifest.json"
+    if not p.is_file():
+        log.warning("dataset %s has no manifest.json; pair identities must come from the checkpoint", dataset)
+        return None
+    return json.loads(p.read_text())
+
+
+def _pair_info(meta: dict, manifest: dict | None) -> dict | None:
+    for src in (meta.get("pair"), (meta.get("manifest") or {}).get("pair"), (manifest or {}).get("pair")):
+        if src and src.get("draft"):
+            return {k: src.get(k) for k in ("name", "draft", "target", "tokenizer_hash", "vocab")}
+    return None
+
+
+def _decoding_info(meta: dict, manifest: dict | None) -> dict | None:
+    gen = meta.get("generation") or (meta.get("manifest") or {}).get("generation") or (manifest or {}).get("generation")
+    if not gen:
+        return None
+    return {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
+
+
+# ---------------------------------------------------------------------- validation
+@torch.no_grad()
+def _feature_batch(predictor: StoppingPredictor, batch: int, seed: int = 0) -> torch.Tensor:
+    """A realistic ``[batch, input_dim]`` input: hidden-like Gaussians, or features of random distributions."""
+    g = torch.Generator().manual_seed(seed)
+    fs = predictor.feature_spec
+    if fs.reads_hidden:
+        return torch.randn(batch, fs.hidden_size, generator=g) * 2.0
+    vocab = max(64, fs.k * 4)
+    probs = torch.softmax(torch.randn(batch, vocab, generator=g) * 3.0, dim=-1)
+    positions = torch.randint(0, 2048, (batch,), generator=g)
+    return fs.build_from_probs(probs, positions)
+
+
+@torch.no_grad()
+def validate_export(out: str | Path, predictor: StoppingPredictor, batch: int = 256) -> float:
+    """Reload ``out`` through the runtime; return the max abs difference of the predictor logits.
+
+    Raises:
+        ExportError: the difference exceeds 1e-6 or the decisions differ.
+    """
+    policy = StoppingPolicy.from_pretrained(out)
+    x = _feature_batch(predictor, batch)
+    ref = predictor.float().eval()(x)
+    got = policy.predictor(x)
+    diff = float((ref - got).abs().max())
+    if diff > MAX_EXPORT_DIFF:
+        raise ExportError(
+            f"export check failed: reloaded predictor differs from the checkpoint by {diff:.3g} (> {MAX_EXPORT_DIFF}); "
+            "the weights or architecture arguments were not written faithfully"
+        )
+    return diff
+
+
+# ---------------------------------------------------------------------- writing
+def export_policy(
+    out: str | Path,
+    *,
+    spec: PolicySpec,
+    predictor: StoppingPredictor | None = None,
+    name: str | None = None,
+    pair: dict | None = None,
+    decoding: dict | None = None,
+    cost_model: dict | None = None,
+    validation: dict | None = None,
+    label: str | None = None,
+    source: dict | None = None,
+    allow_missing_pair: bool = False,
+) -> dict:
+    """Write an export folder and validate it. Returns the written config.
+
+    Args:
+        out: the folder (created; existing files in it are overwritten).
+        spec: the tuned policy spec.
+        predictor: the trained module (``predictor`` policies only).
+        pair: ``{name, draft, target, tokenizer_hash}`` identities (runtime refuses other drafts).
+        decoding: the decoding transform the labels were made at.
+        allow_missing_pair: write an export without pair identities (the runtime can then not
+            refuse a wrong draft; only for tests and demos).
+    """
+    if spec.kind == "predictor" and predictor is None:
+        raise ExportError(f"policy {spec.label} is a learned predictor: give its --checkpoint")
+    if spec.kind != "predictor" and predictor is not None:
+        raise ExportError(f"policy {spec.label} is not a learned predictor: drop --checkpoint")
+    if spec.kind in ("oracle", "pearl"):
+        raise ExportError(f"policy kind {spec.kind!r} is a replay-only baseline; it cannot be exported for decoders")
+    if predictor is not None:
+        if spec.family and spec.family != predictor.family:
+            raise ExportError(
+                f"the tuned policy is for family {spec.family!r} but the checkpoint holds {predictor.family!r}: "
+                "pass the checkpoint that was tuned (tuned.json 'checkpoints')"
+            )
+        if spec.reads != predictor.feature_spec.kind:
+            raise ExportError(f"policy spec reads {spec.reads!r} but {predictor.family} reads {predictor.feature_spec.kind!r}")
+    if pair is None and not allow_missing_pair:
+        raise ExportError(
+            "no draft/target identities found in the checkpoint or the tuned file's dataset manifest; "
+            "pass --dataset DIR (the dataset the predictor was trained on) so the export records its pair"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "format": EXPORT_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "specstop_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "name": name or spec.label,
+        "policy": spec.to_dict(),
+        "predictor": None,
+        "features": None,
+        "decoding": decoding,
+        "cost_model": cost_model,
+        "validation": validation,
+        "pair": pair,
+        "source": source or {},
+        "export_check": None,
+    }
+    weights = out / WEIGHTS_NAME
+    if predictor is not None:
+        from safetensors.torch import save_file
+
+        predictor = predictor.float().eval()
+        state = {k: v.detach().cpu().contiguous() for k, v in predictor.state_dict().items()}
+        save_file(state, str(weights), metadata={"format": "pt", "family": predictor.family})
+        config["predictor"] = {
+            "family": predictor.family,
+            "config": predictor.config_dict(),
+            "label": label,
+            "num_parameters": int(sum(p.numel() for p in predictor.parameters())),
+            "weights": WEIGHTS_NAME,
+            "dtype": "float32",
+        }
+        config["features"] = predictor.feature_spec.to_dict()
+    elif weights.exists():
+        weights.unlink()  # a stale predictor from an earlier export must not sit next to a rule-only config
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+    if predictor is not None:
+        diff = validate_export(out, predictor)
+        config["export_check"] = {"batch": 256, "max_abs_diff": diff}
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        StoppingPolicy.from_pretrained(out)  # the config must at least load
+    (out / "README.md").write_text(model_card(config))
+    return config
+
+
+def export_from_files(
+    out: str | Path,
+    *,
+    tuned: str | Path,
+    checkpoint: str | Path | None = None,
+    policy: str | None = None,
+    dataset: str | Path | None = None,
+    allow_missing_pair: bool = False,
+) -> dict:
+    """The CLI's work: pick a policy from ``tuned``, load its checkpoint, export."""
+    t = read_tuned(tuned)
+    name = policy or t.get("best")
+    if not name:
+        raise ExportError(f"{tuned} names no 'best' policy: pass --policy NAME (one of {sorted(t['policies'])})")
+    if name not in t["policies"]:
+        raise ExportError(f"policy {name!r} is not in {tuned}; choose from {sorted(t['policies'])}")
+    entry = t["policies"][name]
+    spec = PolicySpec.from_dict(entry["spec"])
+    predictor, meta = None, {}
+    if spec.kind == "predictor":
+        ckpt = checkpoint or (t.get("checkpoints") or {}).get(name)
+        if not ckpt:
+            raise ExportError(f"policy {name!r} is a learned predictor: pass --checkpoint (tuned.json lists none for it)")
+        checkpoint = ckpt
+        predictor, meta = load_checkpoint(ckpt)
+    elif checkpoint:
+        raise ExportError(f"policy {name!r} ({spec.label}) is not a learned predictor: drop --checkpoint")
+    ds = dataset or meta.get("dataset") or t.get("dataset")
+    manifest = _read_manifest(ds)
+    return export_policy(
+        out,
+        spec=spec,
+        predictor=predictor,
+        name=name,
+        pair=_pair_info(meta, manifest),
+        decoding=_decoding_info(meta, manifest),
+        cost_model=t.get("cost_model"),
+        validation=entry.get("validation"),
+        label=meta.get("label"),
+        source={"checkpoint": str(checkpoint) if checkpoint else None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
+        allow_missing_pair=allow_missing_pair,
+    )
+
+
+def model_card(config: dict) -> str:
+    """The README.md written next to config.json."""
+    spec = config["policy"]
+    pred = config.get("predictor")
+    pair = config.get("pair") or {}
+    draft = (pair.get("draft") or {}).get("name_or_path", "unknown")
+    target = (pair.get("target") or {}).get("name_or_path", "unknown")
+    lines = [
+        f"# specstop stopping policy: {config['name']}",
+        "",
+        "A speculative-decoding stopping policy exported by "
+        f"[specstop](https://example.invalid/specstop) {config['specstop_version']} on {config['created']}.",
+        "It decides after each drafted token whether to stop drafting and let the target verify.",
+        "",
+        "| field | value |",
+        "|---|---|",
+        f"| policy | `{spec['kind']}` (rule `{spec['rule']}`, threshold {spec['threshold']}, SL_max {spec['sl_max']}) |",
+        f"| draft | `{draft}` |",
+        f"| target | `{target}` |",
+        f"| tokenizer hash | `{pair.get('tokenizer_hash')}` |",
+        f"| label decoding | `{json.dumps(config.get('decoding'))}` |",
+    ]
+    if pred:
+        lines += [
+            f"| family | `{pred['family']}` ({pred['num_parameters']} parameters, label `{pred['label']}`) |",
+            f"| features | `{json.dumps(config.get('features'))}` |",
+            f"| export check | max abs diff {config['export_check']['max_abs_diff']:.3g} on {config['export_check']['batch']} inputs |",
+        ]
+    lines += [
+        f"| cost model | `{json.dumps(config.get('cost_model'))}` |",
+        f"| validation | `{json.dumps(config.get('validation'))}` |",
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from specstop.export.runtime import StoppingPolicy",
+        "policy = StoppingPolicy.from_pretrained(DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
+        "policy.reset()                     # each round",
+        "stop = policy.should_stop(draft_logits, draft_hidden_prev, position)",
+        "policy.end_round(num_drafted, num_accepted)",
+        "```",
+        "",
+        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`, or",
+        "`specstop.export.hf_assist.assisted_generate(target, draft, policy, input_ids)`.",
+        "",
+        "The runtime imports only torch and safetensors. It refuses a different draft model or tokenizer",
+        "(override: `allow_draft_mismatch=True`) and unknown schema versions. Decoding with this policy is",
+        "lossless: the policy changes only how many tokens are drafted, never which tokens are emitted.",
+        "",
+    ]
+    return "\n".join(lines)

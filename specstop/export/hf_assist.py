@@ -1,0 +1,201 @@
+"""Drive Hugging Face assisted generation (``target.generate(assistant_model=draft)``) with a StoppingPolicy.
+
+Stopping criteria passed to ``generate()`` reach only the target loop, and the stock
+``AssistedCandidateGenerator`` drafts through ``assistant.generate``, which exposes neither the
+per-step hidden state nor a per-step hook. So :class:`PolicyCandidateGenerator` subclasses
+``AssistedCandidateGenerator`` and drafts with its own loop over the assistant's forward (one
+forward per drafted token, KV cache kept across rounds and cropped to the accepted prefix). That
+forward returns q_j and, with ``output_hidden_states=True``, the final hidden state of y_{j-1}, so
+SpecDec++ / MCSD hidden heads get their input without a second draft forward. Verification,
+acceptance, speculative sampling and EOS handling stay HF's own.
+
+Injection: :func:`use_policy` temporarily replaces the target's ``_get_candidate_generator``
+(the method ``_assisted_decoding`` calls to build its candidate generator) on that model instance;
+:func:`assisted_generate` wraps ``target.generate`` in it.
+
+Supported transformers versions: 5.x (tested with 5.23). The hook relies on
+``GenerationMixin._get_candidate_generator(generation_config, input_ids, inputs_tensor,
+logits_processor, model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer)`` and the
+``AssistedCandidateGenerator`` attributes ``main_model_max_length``, ``logits_processor``,
+``generation_config``; both exist since 4.45 but 4.x is not tested (``DynamicCache.crop`` took a
+positive length there). Same-tokenizer pairs and decoder-only models only; batch size 1 (as HF's
+assisted generation itself).
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+from specstop.export.runtime import StoppingPolicy
+from specstop.probs import DecodingConfig, logits_to_probs
+
+__all__ = ["PolicyCandidateGenerator", "assisted_generate", "decoding_from_generation_config", "use_policy"]
+
+
+def decoding_from_generation_config(generation_config) -> DecodingConfig:
+    """The specstop decoding transform equivalent to a generation config (greedy unless do_sample)."""
+    if not generation_config.do_sample:
+        return DecodingConfig()
+    return DecodingConfig(
+        temperature=float(generation_config.temperature or 1.0),
+        top_k=int(generation_config.top_k or 0),
+        top_p=float(generation_config.top_p or 1.0),
+    )
+
+
+class PolicyCandidateGenerator(AssistedCandidateGenerator):
+    """Candidate generator whose draft length is decided by a :class:`StoppingPolicy`.
+
+    Args (beyond ``AssistedCandidateGenerator``'s):
+        policy: the stopping policy (reset per round, ``end_round`` after verification).
+        vocab_size: the shared tokenizer vocabulary (features use logits sliced to it).
+    """
+
+    def __init__(self, *args, policy: StoppingPolicy, vocab_size: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from transformers import DynamicCache, LogitsProcessorList
+
+        # The parent filters the processors into a plain list; make it callable again.
+        self.logits_processor = LogitsProcessorList(self.logits_processor)
+        self.policy = policy
+        self.policy.configure(decoding_from_generation_config(self.generation_config), vocab_size)
+        self.do_sample = bool(self.generation_config.do_sample)
+        eos = self.generation_config.eos_token_id
+        self.eos = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+        self.cache = DynamicCache(config=self.assistant_model.config)
+        self.cached: list[int] = []  # token ids whose keys/values the draft cache holds
+        self.last_k = 0
+        self.round_lengths: list[int] = []
+        self.timings = {"draft": 0.0, "predictor": 0.0}
+
+    def _rollback(self, seq: list[int]) -> None:
+        # Keep the longest cached prefix that is still part of the sequence, and leave >= 1 token to feed.
+        common = 0
+        for a, b in zip(self.cached, seq):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(seq) - 1)
+        if keep < len(self.cached):
+            self.cache.crop(keep - len(self.cached))  # transformers 5: negative = tokens to remove
+            self.cached = self.cached[:keep]
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], hidden: bool):
+        device = self.assistant_model.device
+        start = len(self.cached)
+        pos = torch.arange(start, start + len(tokens), device=device)
+        out = self.assistant_model(
+            input_ids=torch.tensor([tokens], device=device),
+            past_key_values=self.cache,
+            use_cache=True,
+            cache_position=pos,
+            position_ids=pos.unsqueeze(0),
+            output_hidden_states=hidden,
+            logits_to_keep=1,
+        )
+        self.cached.extend(tokens)
+        h = out.hidden_states[self.policy.hidden_layer][0, -1] if hidden else None
+        return out.logits[0, -1].float(), h
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """``input_ids [1, L]`` -> ``(candidates [1, L + K], candidate_logits [1, K, V_model] | None)``."""
+        input_ids = input_ids.to(self.assistant_model.device)
+        if input_ids.shape[0] != 1:
+            raise ValueError("policy-driven assisted generation supports batch size 1 only (as HF assisted generation)")
+        cur_len = input_ids.shape[-1]
+        k_cap = min(self.policy.cap(), self.main_model_max_length - cur_len - 1)
+        self.last_k = 0
+        if k_cap <= 0:
+            return input_ids, None
+        seq = input_ids[0].tolist()
+        self._rollback(seq)
+        policy = self.policy
+        policy.reset()
+        response_start = int(getattr(self, "_prompt_len", cur_len))
+        need_hidden = policy.reads_hidden
+        drafted: list[int] = []
+        scores: list[torch.Tensor] = []
+        running = input_ids
+        feed = seq[len(self.cached) :]
+        for j in range(1, k_cap + 1):
+            t0 = time.perf_counter()
+            raw, hidden = self._forward(feed, need_hidden)
+            # HF's processors (temperature/top-k/top-p/suppression) act on the draft logits too: the
+            # candidate logits must be the distribution the token was drawn from (HF samples q from them).
+            proc = self.logits_processor(running, raw.unsqueeze(0))[0] if self.logits_processor else raw
+            if self.do_sample:
+                y = int(torch.multinomial(torch.softmax(proc, -1), 1))
+            else:
+                y = int(proc.argmax(-1))
+            t1 = time.perf_counter()
+            self.timings["draft"] += t1 - t0
+            q = logits_to_probs(raw, policy.decoding, policy.vocab_size) if policy.reads_probs else None
+            stop = policy.should_stop(raw, hidden if j > 1 else None, position=cur_len - response_start + j - 1, draft_probs=q)
+            self.timings["predictor"] += time.perf_counter() - t1
+            drafted.append(y)
+            scores.append(proc)
+            running = torch.cat([running, running.new_tensor([[y]])], dim=-1)
+            if stop or j == k_cap or y in self.eos:
+                break
+            feed = [y]
+        self.last_k = len(drafted)
+        self.round_lengths.append(self.last_k)
+        return running, torch.stack(scores).unsqueeze(0)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        # HF's schedules and its online confidence re-tuning are replaced by the policy's own rule.
+        self.policy.end_round(self.last_k, int(num_matches))
+
+
+@contextmanager
+def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None) -> Iterator[dict]:
+    """Within the block, ``target.generate(..., assistant_model=draft)`` drafts with ``policy``.
+
+    Yields a dict that receives the candidate generator (``"generator"``) for counters/timings.
+    """
+    info: dict = {}
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        if assistant_model is None or (target_tokenizer is not None and assistant_tokenizer is not None):
+            raise ValueError("specstop policies drive assisted generation with a same-tokenizer assistant_model only")
+        gen = PolicyCandidateGenerator(
+            input_ids=input_ids,
+            assistant_model=assistant_model,
+            generation_config=generation_config,
+            model_kwargs=model_kwargs,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            policy=policy,
+            vocab_size=vocab_size,
+        )
+        gen._prompt_len = input_ids.shape[-1]
+        info["generator"] = gen
+        return gen
+
+    had = "_get_candidate_generator" in vars(target)
+    old = vars(target).get("_get_candidate_generator")
+    target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
+    try:
+        yield info
+    finally:
+        if had:
+            target._get_candidate_generator = old
+        else:
+            del target._get_candidate_generator
+
+
+def assisted_generate(target, draft, policy: StoppingPolicy, input_ids: torch.Tensor, *, vocab_size: int | None = None,
+                      **generate_kwargs):
+    """``target.generate(input_ids, assistant_model=draft, **generate_kwargs)`` with ``policy`` deciding
+    the draft lengths. Returns what ``generate`` returns."""
+    with use_policy(target, policy, vocab_size=vocab_size):
+        return target.generate(input_ids, assistant_model=draft, **generate_kwargs)

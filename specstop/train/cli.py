@@ -1,0 +1,166 @@
+"""``specstop train``: LightningCLI over :class:`PredictorModule` and the data modules.
+
+Usage::
+
+    specstop train --config configs/train/disco_ffn.yaml --data.data_dir data/mbpp
+    specstop train fit --config ...            # the same; ``fit`` is the default subcommand
+    specstop train validate --config ... --ckpt_path best.ckpt
+    specstop train --config ... --print_config
+
+The model and data are given as ``class_path``/``init_args`` (subclass mode), so the online-mixing
+module and data module are chosen from YAML like the offline ones. Input sizes are linked from
+the dataset manifest (``data.hidden_size``/``data.k`` -> ``model.init_args.hidden_size``/``k``);
+unknown keys are rejected by jsonargparse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from specstop.train.module import PredictorModule
+from specstop.train.strategy import check_strategy
+
+log = logging.getLogger("specstop.train")
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DEFAULT_LOG_DIR = "runs/train"
+
+
+class SpecstopCLI(LightningCLI):
+    """LightningCLI with specstop defaults: best-checkpoint callback, CSV + TensorBoard, links."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val_auroc",
+                "checkpoint.mode": "max",
+                "checkpoint.save_top_k": 1,
+                "checkpoint.filename": "best-{epoch:02d}-{val_auroc:.4f}",
+                "checkpoint.auto_insert_metric_name": False,
+                "trainer.logger": [
+                    {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
+                    {
+                        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                        "init_args": {"save_dir": DEFAULT_LOG_DIR, "name": "lightning_logs"},
+                    },
+                ],
+            }
+        )
+        parser.add_argument(
+            "--evaluate_after_fit",
+            type=bool,
+            default=True,
+            help="after fit, evaluate the best checkpoint on validation (+ baselines) into metrics.json",
+        )
+        # Input sizes come from the dataset manifest, never from the config (apply_on=instantiate:
+        # the data module reads the manifest when it is built).
+        parser.link_arguments("data.hidden_size", "model.init_args.hidden_size", apply_on="instantiate")
+        parser.link_arguments("data.k", "model.init_args.k", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy(cfg.trainer.strategy)
+
+    def before_fit(self) -> None:
+        align_logger_versions(self.trainer)
+
+    def after_fit(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        report = finish_fit(self.trainer, self.model, self.datamodule, evaluate=cfg.get("evaluate_after_fit", True))
+        if report.get("best_checkpoint"):
+            print(f"best checkpoint: {report['best_checkpoint']}")
+            print(f"metrics: {Path(report['metrics_path']).resolve()}")
+
+
+def align_logger_versions(trainer: L.Trainer) -> None:
+    """Give every logger of the run the first logger's version, so one run is one folder.
+
+    CSVLogger and TensorBoardLogger each pick the next free ``version_N`` on their own; with the
+    same save_dir/name the second would pick N + 1 and split the run over two folders.
+    """
+    loggers = list(trainer.loggers)
+    if len(loggers) < 2:
+        return
+    version = loggers[0].version
+    for lg in loggers[1:]:
+        if getattr(lg, "_version", "unset") is None:
+            lg._version = version
+
+
+def finish_fit(trainer: L.Trainer, model: PredictorModule, datamodule, *, evaluate: bool = True) -> dict:
+    """Evaluate the best checkpoint and write ``metrics.json`` next to it.
+
+    Returns:
+        ``{"best_checkpoint", "metrics_path", "metrics"}`` (empty on non-zero ranks).
+    """
+    if not trainer.is_global_zero:
+        return {}
+    ckpt_cb = trainer.checkpoint_callback
+    best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
+    if not best:
+        log.warning("no checkpoint was saved (no validation metric to monitor?); metrics.json not written")
+        return {}
+    metrics: dict = {
+        "best_checkpoint": str(Path(best).resolve()),
+        "monitor": getattr(ckpt_cb, "monitor", None),
+        "best_score": float(ckpt_cb.best_model_score) if ckpt_cb.best_model_score is not None else None,
+        "family": model.family,
+        "label": model.label,
+        "w_acc": model.w_acc,
+        "w_rej": model.w_rej,
+        "predictor_config": model.predictor.config_dict(),
+    }
+    if evaluate and hasattr(datamodule, "splits"):
+        from specstop.models.checkpoint import load_predictor
+        from specstop.train.evaluate import evaluate_predictor
+
+        predictor, _ = load_predictor(best)
+        metrics["validation"] = evaluate_predictor(
+            predictor, datamodule, "validation", threshold=model.hparams.get("f1_threshold")
+        )
+    else:
+        metrics["validation"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    path = Path(best).parent / "metrics.json"
+    path.write_text(json.dumps(metrics, indent=2, default=float) + "\n")
+    return {"best_checkpoint": metrics["best_checkpoint"], "metrics_path": str(path), "metrics": metrics}
+
+
+def build_cli(args=None, *, run: bool = True) -> SpecstopCLI:
+    """Construct the CLI (``run=False``: parse + instantiate only; ``args``: list or dict)."""
+    return SpecstopCLI(
+        PredictorModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,  # one place to set the optimiser: model.init_args.lr/schedule
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"fit": {"description": "train a stopping predictor"}} if run else {},
+        seed_everything_default=0,
+    )
+
+
+def with_default_subcommand(argv: list[str]) -> list[str]:
+    """``--config X ...`` -> ``fit --config X ...`` (``fit`` is implied unless help is asked)."""
+    if not argv or argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help"):
+        return argv
+    if any(a in SUBCOMMANDS for a in argv if not a.startswith("-")) and argv[0] not in SUBCOMMANDS:
+        # A subcommand given after options (``--config X fit``) is not valid LightningCLI syntax.
+        sub = next(a for a in argv if a in SUBCOMMANDS)
+        raise SystemExit(f"specstop train: put the subcommand first: specstop train {sub} {' '.join(a for a in argv if a != sub)}")
+    return ["fit", *argv]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    build_cli(with_default_subcommand(argv), run=True)
+    return 0

@@ -1,0 +1,92 @@
+"""End to end: tune + eval CLIs on a synthetic dataset write parseable reports and plots."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specstop.eval.cost import PRESETS
+from specstop.eval.mc_replay import mc_replay, rejection_check
+from specstop.eval.synthetic import random_replay_data
+from specstop.policy import PolicySpec
+
+
+def test_mc_replay_and_theorem1():
+    d = random_replay_data(20, 80, seed=2)
+    d.temperature = 1.0
+    m = mc_replay(d, PolicySpec(kind="static", k=4), PRESETS["llama2-7b-70b"], repeats=10)
+    assert m["n"] == d.num_tokens and m["latency_ci95"] >= 0
+    h = mc_replay(d, PolicySpec(kind="heuristic"), PRESETS["llama2-7b-70b"], repeats=5)
+    assert h["n"] == d.num_tokens
+    chk = rejection_check(d, repeats=200)
+    # Theorem 1: mean rejections -> sum of TV over drafted positions (the last may be a bonus).
+    assert abs(chk["rejections_mc_mean"] - chk["sum_tv_excl_last"]) < 0.05 * chk["sum_tv"] + 3
+
+
+def test_tune_and_eval_cli(tmp_path):
+    pytest.importorskip("datasets")
+    from specstop.cli import main
+    from specstop.models import build_predictor
+    from specstop.models.checkpoint import save_predictor_checkpoint
+    from specstop.testing import write_synthetic_dataset
+
+    data = write_synthetic_dataset(
+        tmp_path / "data",
+        {"validation": 4, "test": 4},
+        tokens_per_prompt=40,
+        hidden_size=8,
+        with_rollouts=True,
+        rollout_length=20,
+    )
+    save_predictor_checkpoint(tmp_path / "disco.ckpt", build_predictor("disco_ffn"))
+    save_predictor_checkpoint(
+        tmp_path / "sdpp.ckpt", build_predictor("specdecpp_resnet", hidden_size=8, depth=1)
+    )
+    tuned = tmp_path / "tuned.json"
+    rc = main(
+        [
+            "tune",
+            "--data",
+            str(data),
+            "--checkpoint",
+            f"disco={tmp_path / 'disco.ckpt'}",
+            "--checkpoint",
+            f"sdpp={tmp_path / 'sdpp.ckpt'}",
+            "--checkpoint",
+            f"gone={tmp_path / 'missing.ckpt'}",
+            "--out",
+            str(tuned),
+            "--sl-max-grid",
+            "4,8",
+        ]
+    )
+    assert rc == 0
+    t = json.loads(tuned.read_text())
+    assert t["schema_version"] == 1 and t["best"] in t["policies"]
+    assert {"static_opt", "heuristic_opt", "confidence_opt", "disco", "sdpp"} <= set(t["policies"])
+    assert "gone" in t["skipped"] and set(t["checkpoints"]) == {"disco", "sdpp"}
+    assert len(t["policies"]["sdpp"]["validation"]["paper_grid"]) == 5
+    PolicySpec.from_dict(t["policies"]["disco"]["spec"])
+    out = tmp_path / "report"
+    assert main(["eval", "--data", str(data), "--tuned", str(tuned), "--out", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    for key in (
+        "target_only",
+        "dynheur",
+        "static_5",
+        "static_opt",
+        "confidence_0.4",
+        "confidence_opt",
+        "disco",
+        "sdpp",
+        "pearl",
+        "oracle",
+    ):
+        assert key in rep["rows"], key
+        assert np.isfinite(rep["rows"][key]["latency_per_token"])
+    assert rep["rows"]["oracle"]["gap_closed"] == pytest.approx(1.0)
+    assert rep["rows"]["static_opt"]["improvement_over_static_opt"] == 0.0
+    assert "gone" in rep["skipped"] and "MCSD top-k" in rep["skipped"]
+    for f in ("pareto.png", "oracle_sl_hist.png", "calibration.png", "report.md"):
+        assert (out / f).stat().st_size > 0
+    assert "Oracle" in (out / "report.md").read_text()
