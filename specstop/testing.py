@@ -186,13 +186,12 @@ def write_synthetic_dataset(
     """
     import datetime
 
+    import datasets
     import numpy as np
 
     from specstop import __version__
     from specstop.data_gen.schema import SCHEMA_VERSION
     from specstop.data_gen.storage import MANIFEST, atomic_write_json, shard_name, write_shard
-
-    import datasets
 
     n_prompts = dict(n_prompts or {"train": 32, "validation": 8, "test": 8})
     out_dir = Path(out_dir)

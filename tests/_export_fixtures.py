@@ -95,3 +95,15 @@ def random_exports(tmp: Path, pair) -> dict[str, Path]:
         out[name] = tmp / f"export_{name}"
         export_from_files(out[name], tuned=tuned, policy=name)
     return out
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny models run several times faster on one thread (and the CI machine is shared)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -178,8 +178,11 @@ def test_hidden_off_skips_mixing_and_sampled_skips_rollouts(pair, tmp_path):
     assert man["bytes_per_token"]["with_hidden"] > man["bytes_per_token"]["without_hidden"]
 
 
-def test_empty_prompt_and_long_prompts(pair):
+def test_empty_prompt_and_long_prompts(pair, tmp_path):
     render = make_render(pair.tokenizer)
+    with pytest.raises(ValueError, match="prompt 'e1' is empty"):
+        generate_dataset(pair, [Rec("ok", "hi", "train", 0), Rec("e1", "", "train", 1)], _cfg(), tmp_path / "ds",
+                         render=render, progress=False)
     with pytest.raises(ValueError, match="'bad'"):
         prepare_prompts([Rec("ok", "hello", "train", 0), Rec("bad", "  ", "train", 1)], render, None, "truncate")
     long = Rec("long", "x" * 100, "train", 0)

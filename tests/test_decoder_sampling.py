@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
+from _export_fixtures import single_thread  # noqa: F401
 
 from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
@@ -53,7 +53,7 @@ def test_first_two_tokens_follow_the_target(small_pair):
         p2 = _probs(small_pair.target, PROMPT + [a])[-1]
         for b in range(VOCAB):
             exact[(a, b)] = float(p1[a] * p2[b])
-    runs = 1500
+    runs = 1000
     counts = dict.fromkeys(exact, 0)
     dec = SpeculativeDecoder(small_pair, StoppingPolicy.from_string("static:4"), DECODING)
     rejections = 0
@@ -78,7 +78,7 @@ def test_first_two_tokens_follow_the_target(small_pair):
 @torch.no_grad()
 def test_rejections_match_theorem_1(small_pair):
     """Unbounded draft length: E[#rejections] = sum over drafted positions of E[TV(p, q)] (Yin et al. Thm 1)."""
-    max_new, runs = 6, 500
+    max_new, runs = 6, 300
     dec = SpeculativeDecoder(small_pair, StoppingPolicy.from_string("static:64"), DECODING)
     diffs = []
     for seed in range(runs):
@@ -105,4 +105,3 @@ def test_topk_topp_sampling_stays_in_support(small_pair):
         for i, tok in enumerate(res.token_ids):
             logits = small_pair.target(torch.tensor([seq[: len(PROMPT) + i]])).logits[0, -1, :VOCAB]
             assert tok in torch.topk(logits, 2).indices.tolist()
-    assert list(itertools.islice(range(3), 1)) == [0]

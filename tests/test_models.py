@@ -8,7 +8,13 @@ import sys
 import pytest
 import torch
 
-from specstop.models import FeatureSpec, build_predictor, get_predictor_class, predictor_names, register_predictor
+from specstop.models import (
+    FeatureSpec,
+    build_predictor,
+    get_predictor_class,
+    predictor_names,
+    register_predictor,
+)
 from specstop.models.checkpoint import load_predictor, save_predictor_checkpoint
 
 

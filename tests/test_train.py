@@ -176,10 +176,13 @@ def test_schedules_step_halving_and_cosine(synth_dir):
         lrs = []
 
         class Rec(L.Callback):
-            def on_train_epoch_start(self, trainer, pl_module):
-                lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+            def __init__(self, out):
+                self.out = out
 
-        quiet_trainer(max_epochs=2, callbacks=[Rec()], enable_checkpointing=False, limit_val_batches=0).fit(model, dm)
+            def on_train_epoch_start(self, trainer, pl_module):
+                self.out.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+        quiet_trainer(max_epochs=2, callbacks=[Rec(lrs)], enable_checkpointing=False, limit_val_batches=0).fit(model, dm)
         assert check([round(v, 10) for v in lrs]), (schedule, lrs)
 
 

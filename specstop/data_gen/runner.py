@@ -148,6 +148,10 @@ def generate_dataset(
     removed = clean_partial_shards(out)
     if removed:
         log.info("removed %d partial/corrupt shard folder(s) from an interrupted run: %s", len(removed), ", ".join(removed))
+    # Fail before any model work rather than hours into a run.
+    empty = [r.prompt_id for r in records if not str(r.text).strip()]
+    if empty:
+        raise ValueError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
     plan = plan_shards(records, cfg.prompts_per_shard)
     check_no_foreign_shards(out, plan)
     fp = cfg.label_fingerprint()

@@ -138,12 +138,13 @@ def label_batch(
             "position": [m for _, m, _ in owners],
             "mismatch_token": [d for _, _, d in owners],
             "length": [len(ro.tokens) for ro in rolls],
-            "tokens": [ro.tokens.tolist() for ro in rolls],
-            "topk": [ro.topk.reshape(-1).tolist() for ro in rolls],
-            "entropy": [ro.entropy.tolist() for ro in rolls],
+            # Variable-length lists go in as numpy arrays (no per-float Python objects).
+            "tokens": [ro.tokens for ro in rolls],
+            "topk": [ro.topk.reshape(-1) for ro in rolls],
+            "entropy": [ro.entropy for ro in rolls],
         }
         if lab.hidden_states:
-            cols["mismatch_hidden"] = [ro.mismatch_hidden.tolist() for ro in rolls]
-            cols["hidden"] = [ro.hidden.reshape(-1).tolist() for ro in rolls]
+            cols["mismatch_hidden"] = [ro.mismatch_hidden for ro in rolls]
+            cols["hidden"] = [ro.hidden.reshape(-1) for ro in rolls]
         tables.rollout_steps += sum(len(ro.tokens) for ro in rolls)
         tables.add("rollouts", cols)

@@ -1,0 +1,209 @@
+"""Online speedup benchmark: the same prompts, side by side in one run, repeated.
+
+Methods (each greedy unless --temperature > 0):
+    target            target.generate alone
+    hf-default        HF assisted generation, its defaults (constant 20 + confidence 0.4)
+    hf-heuristic      HF assisted generation, heuristic schedule (start 5, +2/-1; no confidence stop)
+    ours:<policy>     specstop's SpeculativeDecoder with each --policy (static:K, heuristic, confidence:T, export dirs)
+    hf+<policy>       (with --hf-policies) HF assisted generation driven by the same policies
+
+Reports per method the median tokens/s over prompts x repeats, the ratio to the target alone, mean
+tokens per round, how many greedy outputs differ from the target's own, and for our decoder the
+predictor's overhead per draft step as a share of a draft forward. With --replay-report it puts the
+replay's predicted speedups next to the measured ones.
+
+Example (tiny pair, seconds):
+    python -m specstop.testing  # or: python -c "from specstop.testing import save_tiny_pair; save_tiny_pair('/tmp/tiny')"
+    python benchmarks/online_speedup.py --pair /tmp/tiny --prompt "hello" --prompt "def f(x):" \
+        --policy static:3 --policy heuristic --max-new-tokens 32 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def read_prompts(args) -> list[str]:
+    texts = list(args.prompt or [])
+    if args.prompts:
+        path = Path(args.prompts)
+        raw = path.read_text()
+        if path.suffix == ".json":
+            items = json.loads(raw)
+        else:
+            items = [json.loads(line) if line.lstrip().startswith("{") else line for line in raw.splitlines() if line.strip()]
+        for it in items:
+            if isinstance(it, dict):
+                # Held-out prompt records: prefer an explicit split filter.
+                if args.split and it.get("split") not in (None, args.split):
+                    continue
+                texts.append(it.get(args.field) or it.get("prompt_text") or it.get("text") or it.get("prompt"))
+            else:
+                texts.append(str(it))
+    if args.limit:
+        texts = texts[: args.limit]
+    if not texts:
+        raise SystemExit("no prompts: pass --prompt TEXT (repeatable) or --prompts FILE (.json/.jsonl/.txt)")
+    return texts
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def set_hf_assistant(draft, *, num_tokens: int, schedule: str, confidence: float | None) -> None:
+    gc = draft.generation_config
+    gc.num_assistant_tokens = num_tokens
+    gc.num_assistant_tokens_schedule = schedule
+    gc.assistant_confidence_threshold = confidence
+
+
+@torch.no_grad()
+def run_hf(pair, ids, max_new, gen_kwargs, assistant=None, policy=None):
+    from specstop.export.hf_assist import use_policy
+
+    x = torch.tensor([ids], device=pair.target_device)
+    sync(pair.target_device)
+    t0 = time.perf_counter()
+    info = {}
+    if policy is not None:
+        with use_policy(pair.target, policy, vocab_size=pair.vocab_size) as info:
+            out = pair.target.generate(x, assistant_model=assistant, max_new_tokens=max_new, **gen_kwargs)
+    else:
+        kw = {"assistant_model": assistant} if assistant is not None else {}
+        out = pair.target.generate(x, max_new_tokens=max_new, **kw, **gen_kwargs)
+    sync(pair.target_device)
+    dt = time.perf_counter() - t0
+    toks = out[0, len(ids) :].tolist()
+    rounds = len(info["generator"].round_lengths) if info.get("generator") else None
+    return toks, dt, rounds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
+    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable)")
+    ap.add_argument("--prompts", help="prompts file: .json list, .jsonl records or .txt lines")
+    ap.add_argument("--field", default="prompt_text", help="record field holding the text")
+    ap.add_argument("--split", default=None, help="keep records of this split only (e.g. test)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
+    ap.add_argument("--hf-policies", action="store_true", help="also run HF assisted generation driven by each policy")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted baselines")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--static-cache", action="store_true", help="our decoder with a static KV cache")
+    ap.add_argument("--compile", action="store_true", help="our decoder compiled (CUDA; implies --static-cache)")
+    ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
+    ap.add_argument("--out", help="write all measurements as JSON here")
+    args = ap.parse_args(argv)
+
+    from specstop.export.decode_cli import render
+    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.export.runtime import StoppingPolicy
+    from specstop.pair import load_named_pair
+    from specstop.probs import DecodingConfig
+
+    pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
+    texts = read_prompts(args)
+    prompts = [render(t, pair.tokenizer, not args.no_chat_template) for t in texts]
+    decoding = DecodingConfig(temperature=args.temperature)
+    gen_kwargs = {"do_sample": False} if decoding.greedy else {"do_sample": True, "temperature": args.temperature}
+    gen_kwargs["suppress_tokens"] = list(range(pair.vocab_size, pair.target_identity.logits_size)) or None
+    policies = {}
+    for spec in args.policy or ["static:4", "heuristic"]:
+        pol = StoppingPolicy.load(spec, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash, device=pair.draft_device)
+        policies[Path(spec).name if Path(spec).is_dir() else spec] = pol
+
+    methods: dict[str, callable] = {"target": lambda ids: run_hf(pair, ids, args.max_new_tokens, gen_kwargs)}
+    if not args.no_hf:
+        def hf_default(ids):
+            set_hf_assistant(pair.draft, num_tokens=20, schedule="constant", confidence=0.4)
+            return run_hf(pair, ids, args.max_new_tokens, gen_kwargs, assistant=pair.draft)
+
+        def hf_heuristic(ids):
+            set_hf_assistant(pair.draft, num_tokens=5, schedule="heuristic_transient", confidence=None)
+            return run_hf(pair, ids, args.max_new_tokens, gen_kwargs, assistant=pair.draft)
+
+        methods["hf-default"] = hf_default
+        methods["hf-heuristic"] = hf_heuristic
+    stats: dict[str, dict] = {}
+    for name, pol in policies.items():
+        dec = SpeculativeDecoder(pair, pol, decoding, static_cache=args.static_cache, compile=args.compile)
+
+        def ours(ids, dec=dec, name=name):
+            res = dec.generate(ids, args.max_new_tokens, seed=0)
+            st = stats.setdefault(f"ours:{name}", {"draft": 0.0, "predictor": 0.0, "steps": 0})
+            st["draft"] += res.timings["draft"]
+            st["predictor"] += res.timings["predictor"]
+            st["steps"] += res.counters["N_draft"]
+            return res.token_ids, res.timings["total"], res.counters["rounds"]
+
+        methods[f"ours:{name}"] = ours
+        if args.hf_policies:
+            methods[f"hf+{name}"] = lambda ids, pol=pol: run_hf(pair, ids, args.max_new_tokens, gen_kwargs, assistant=pair.draft, policy=pol)
+
+    # Warm up every method once (allocator, kernels, compilation) before timing.
+    for fn in methods.values():
+        fn(prompts[0])
+    stats.clear()
+    rows = {m: {"tok_s": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
+    ref_out: dict[int, list[int]] = {}
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompts):
+            for m, fn in methods.items():  # side by side: every method on the same prompt in turn
+                toks, dt, rounds = fn(ids)
+                r = rows[m]
+                r["tok_s"].append(len(toks) / max(dt, 1e-9))
+                r["tokens"] += len(toks)
+                r["rounds"] += rounds or 0
+                if m == "target":
+                    ref_out.setdefault(i, toks)
+                elif decoding.greedy and rep == 0 and toks != ref_out.get(i):
+                    r["mismatch"] += 1
+            print(f"repeat {rep + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
+
+    replay = {}
+    if args.replay_report:
+        rep_json = json.loads(Path(args.replay_report).read_text())
+        for name, entry in (rep_json.get("policies") or {}).items():
+            if isinstance(entry, dict):
+                replay[name] = entry.get("speedup") or entry.get("predicted_speedup")
+
+    base = statistics.median(rows["target"]["tok_s"])
+    print(f"\npair {pair.name}, {len(prompts)} prompts x {args.repeats} repeats, max_new_tokens {args.max_new_tokens}, "
+          f"T={args.temperature}, device {pair.target_device}, dtype {pair.target_identity.dtype}")
+    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'tok/round':>10}{'greedy diffs':>13}{'pred/draft':>11}{'replay':>8}")
+    table = []
+    for m, r in rows.items():
+        med = statistics.median(r["tok_s"])
+        per_round = r["tokens"] / r["rounds"] if r["rounds"] else float("nan")
+        st = stats.get(m)
+        overhead = st["predictor"] / st["draft"] if st and st["draft"] > 0 else None
+        key = m.split(":", 1)[-1]
+        pred = replay.get(key)
+        table.append({"method": m, "tok_s_median": med, "speedup": med / base, "tokens_per_round": per_round,
+                      "greedy_mismatches": r["mismatch"], "predictor_share_of_draft": overhead, "replay_speedup": pred,
+                      "tok_s": r["tok_s"]})
+        print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{per_round:>10.2f}{r['mismatch']:>13}"
+              f"{'' if overhead is None else f'{100 * overhead:.1f}%':>11}{'' if pred is None else f'{pred:.2f}x':>8}")
+    print("tok/round = emitted tokens per target forward (n + 1); pred/draft = policy time per draft step / draft forward time")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": table}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
