@@ -309,8 +309,12 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, out_path
         x = torch.tensor([prompt_ids], device=pair.target_device)
         t0 = time.perf_counter()
         with torch.no_grad():
+            # Compare on the shared vocabulary (padded logit rows suppressed), which is what
+            # speculative decoding decodes over.
+            padded = list(range(pair.vocab_size, pair.target_identity.logits_size)) or None
             ref = pair.target.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.online_max_new_tokens, do_sample=False
+                x, attention_mask=torch.ones_like(x), max_new_tokens=cfg.online_max_new_tokens, do_sample=False,
+                suppress_tokens=padded,
             )[0, x.shape[1]:].tolist()
         t_target = time.perf_counter() - t0
         res = decoder.generate(prompt_ids, max_new_tokens=cfg.online_max_new_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _export_fixtures import random_exports, tiny_prompts, single_thread  # noqa: F401
+from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
 
 from specstop.export.decoder import SpeculativeDecoder, eos_token_ids
 from specstop.export.runtime import StoppingPolicy

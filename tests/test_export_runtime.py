@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from _export_fixtures import random_exports, write_checkpoint, write_manifest, write_tuned, single_thread  # noqa: F401
+from _export_fixtures import random_exports, single_thread, write_checkpoint, write_manifest, write_tuned  # noqa: F401
 
 from specstop.export.export import ExportError, export_from_files, export_policy, load_checkpoint
 from specstop.export.runtime import DraftMismatchError, StoppingPolicy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _export_fixtures import random_exports, tiny_prompts, single_thread  # noqa: F401
+from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
 
 from specstop.export.hf_assist import assisted_generate, use_policy
 from specstop.export.runtime import StoppingPolicy

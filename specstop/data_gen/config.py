@@ -127,9 +127,11 @@ class DataGenConfig:
     def label_fingerprint(self) -> str:
         """Hash of every setting that changes a shard's content (recorded per shard for resume)."""
         d = self.to_dict()
-        keep = {"generation": d["generation"], "labels": d["labels"], "prompts": d["prompts"],
-                "prompts_per_shard": d["prompts_per_shard"]}
-        keep["generation"].pop("batch_size")  # batching does not change labels (seeds are per prompt)
+        keep = {"generation": d["generation"], "labels": d["labels"], "prompts": d["prompts"]}
+        # Which prompts a shard holds is checked separately (its recorded prompt ids), so a quick
+        # --limit run can grow into the full run; batching does not change labels (per-prompt seeds).
+        keep["prompts"].pop("limit")
+        keep["generation"].pop("batch_size")
         keep["labels"].pop("chunk_rows")
         keep["labels"]["rollouts"].pop("batch_size")
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
