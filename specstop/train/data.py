@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "validation", "test")
 TOKEN_LABELS = ("accept_prob", "accept_expected", "greedy_match", "verified")
 MIXED_LABELS = ("accept_prob", "accept_expected")
+PREBUILT = "_features"  # SplitData.columns key of features assembled once at load time
 
 
 @dataclass
@@ -34,7 +35,7 @@ class SplitData:
 
     Attributes:
         table: the table the rows come from (``tokens`` or ``mixed``).
-        columns: the raw feature columns, e.g. ``{"topk": [N, k], "entropy": [N], "position": [N]}``
+        columns: ``{"_features": [N, input_dim] float32}`` for distribution predictors (built once),
             or ``{"hidden": [N, H] float16}`` (kept in float16; cast per batch to save memory).
         labels: ``[N]`` float32 targets.
         prompt_ids: ``[N]`` object array. positions: ``[N]`` int64 response positions.
@@ -51,6 +52,9 @@ class SplitData:
 
     def features(self, spec: FeatureSpec, index: torch.Tensor | slice | None = None) -> torch.Tensor:
         """``[n, input_dim]`` float32 features of rows ``index`` (all rows when None)."""
+        if PREBUILT in self.columns:
+            feats = self.columns[PREBUILT]
+            return feats if index is None else feats[index]
         sel = {k: (v if index is None else v[index]) for k, v in self.columns.items()}
         return spec.build(**sel)
 
@@ -238,6 +242,10 @@ class PredictorDataModule(L.LightningDataModule):
             if c == "topk":
                 a = a[:, : self.spec.k]
             columns[c] = torch.from_numpy(np.require(a, requirements=["C", "W"]))  # Arrow buffers are read-only
+        if not self.spec.reads_hidden:
+            # Distribution features are k + 2 floats a row: assemble them once, so a batch is a
+            # single gather (hidden states stay float16 and are cast per batch to halve memory).
+            columns = {PREBUILT: self.spec.build(**columns)}
         labels = torch.from_numpy(np.asarray(arr[self.label][keep], dtype=np.float32).copy())
         log.info("%s: %d %s rows, label %s (mean %.3f)", split, len(labels), table, self.label, float(labels.mean()))
         return SplitData(
