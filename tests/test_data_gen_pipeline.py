@@ -276,7 +276,7 @@ def test_cli_tokenizer_mismatch(tmp_path, capsys, monkeypatch):
 def test_quick_run_grows_into_full_run(reference, pair, tmp_path):
     """Shards of a smaller prompt set are kept when their prompts match and regenerated otherwise."""
     out = tmp_path / "ds"
-    generate_dataset(pair, records(3), _cfg(), out, render=make_render(pair.tokenizer), progress=False)
+    generate_dataset(pair, records(4), _cfg(), out, render=make_render(pair.tokenizer), progress=False)
     res = generate_dataset(pair, records(7), _cfg(), out, render=make_render(pair.tokenizer), progress=False)
     assert res["skipped"] == ["train-00000"]
     assert _dump(out) == _dump(reference)

@@ -137,9 +137,8 @@ def generate_dataset(
     Returns:
         ``{"done": [...], "skipped": [...], "manifest": path or None}``.
     """
-    from tqdm.auto import tqdm
-
     import datasets
+    from tqdm.auto import tqdm
 
     cfg.validate()
     datasets.disable_progress_bars()  # one bar per table write would drown ours
