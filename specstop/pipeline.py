@@ -348,19 +348,16 @@ def _strip_after_eos(ids: list[int], eos: int | None) -> list[int]:
 
 def headline_table(report: dict) -> str:
     """Speedup of each policy over target only and over Static SL-opt, from eval's report.json."""
-    rows = report.get("table") or report.get("rows") or []
-    lines = ["| policy | latency/token | speedup vs target | vs Static SL-opt |", "|---|---:|---:|---:|"]
-    for r in rows:
-        if r.get("skipped"):
+    rows = report.get("rows") or {}
+    lines = ["| policy | latency/token (s) | speedup vs target | vs Static SL-opt |", "|---|---:|---:|---:|"]
+    for row in rows.values():
+        lat, sp, imp = row.get("latency_per_token"), row.get("speedup"), row.get("improvement_over_static_opt")
+        if lat is None or sp is None:
             continue
-        lat, sp = r.get("latency"), r.get("speedup")
-        imp = r.get("improvement_over_static_opt")
-        lines.append(
-            f"| {r.get('policy', r.get('name'))} | {lat:.4f} | {sp:.3f}x | "
-            f"{'' if imp is None else f'{100 * imp:+.1f}%'} |"
-            if lat is not None and sp is not None
-            else f"| {r.get('policy', r.get('name'))} | - | - | - |"
-        )
+        vs = "" if imp is None else f"{100 * imp:+.1f}%"
+        lines.append(f"| {row.get('label')} | {lat:.4f} | {sp:.3f}x | {vs} |")
+    for name, why in (report.get("skipped") or {}).items():
+        lines.append(f"| {name} | skipped: {why} | | |")
     return "\n".join(lines)
 
 

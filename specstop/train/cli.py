@@ -68,6 +68,14 @@ class SpecstopCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy(cfg.trainer.strategy)
+        # `--trainer.default_root_dir DIR` moves the whole run: loggers left at the default
+        # save_dir follow it (otherwise checkpoints would land under runs/train regardless).
+        root = cfg.trainer.get("default_root_dir")
+        if root:
+            for lg in cfg.trainer.get("logger") or []:
+                init = lg.get("init_args") if hasattr(lg, "get") else None
+                if init is not None and init.get("save_dir") == DEFAULT_LOG_DIR:
+                    init["save_dir"] = str(root)
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
