@@ -125,3 +125,20 @@ def test_pipeline_rejects_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run_dir: x\npair: y\nfamilys: []\n")
     assert main(["pipeline", "--config", str(bad)]) == 2
+
+
+def test_every_shipped_pipeline_config_parses():
+    import pathlib
+
+    from specstop.pipeline import PipelineConfig
+    from specstop.pair.registry import KNOWN_PAIRS
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "configs" / "pipelines"
+    paths = sorted(root.glob("*.yaml"))
+    assert paths
+    for p in paths:
+        cfg = PipelineConfig.from_yaml(p)
+        assert cfg.pair in KNOWN_PAIRS or cfg.draft, p
+        assert cfg.families, p
+        for fam in cfg.families:
+            assert (root.parents[1] / fam.config).is_file(), (p, fam.config)

@@ -200,3 +200,27 @@ def check_sl_max(data: ReplayData, sl_max: int) -> None:
 
 def counts_of(curve: Curve, spec: PolicySpec) -> Counts:
     return curve.counts(curve.index(-spec.threshold if spec.rule == "cumprod" else spec.threshold))
+
+
+def best_throughput(checkpoint: str, data_dir: str, *, split: str = "validation", cost_model="llama2-7b-70b",
+                    sl_max_grid=DEFAULT_SL_MAX_GRID) -> dict:
+    """Tune one checkpoint's threshold exactly on ``split`` and return its best simulated throughput.
+
+    Used by ``specstop sweep`` for its SpecDec++-Table-3 column. Returns
+    ``{"throughput": tokens/s, "threshold", "sl_max", "speedup", "latency_per_token"}``.
+    """
+    from specstop.eval.cost import load_cost_model
+    from specstop.eval.episodes import load_replay_data
+    from specstop.eval.scoring import family_rule, load_checkpoint, score_split
+
+    cost = load_cost_model(cost_model)
+    data = load_replay_data(data_dir, split)
+    predictor, meta = load_checkpoint(checkpoint)
+    family = meta.get("family") or predictor.family
+    score_split(data, data_dir, split, family, predictor)
+    rule, reads = family_rule(family, predictor.feature_spec.kind)
+    base = PolicySpec(kind="predictor", family=family, rule=rule, reads=reads, extra={"scores": family})
+    spec, rec = tune_threshold(data, base, cost, sl_max_grid)
+    lat = rec["latency_per_token"]
+    return {"throughput": 1.0 / lat, "threshold": spec.threshold, "sl_max": spec.sl_max,
+            "speedup": rec.get("speedup"), "latency_per_token": lat}
