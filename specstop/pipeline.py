@@ -168,30 +168,22 @@ def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
             outputs_exist=lambda _o: is_converted(cfg.pair),
         )
 
-    # 2. data
-    data_dir = run_dir / "data"
-    gen_cfg = run_dir / "configs" / "data.yaml"
-    _write_generate_config(cfg, cfg.data, data_dir, gen_cfg)
-    runner.run(
-        "data",
-        {"data": cfg.data, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype},
-        ["fetch"],
-        lambda: (_cli(["generate", "--config", str(gen_cfg)]) or {"data_dir": str(data_dir)}),
-        outputs_exist=lambda o: (Path(o.get("data_dir", "")) / "manifest.json").is_file(),
-    )
-    eval_data = data_dir
-    if cfg.test_data:
-        test_dir = run_dir / "test_data"
-        test_cfg = run_dir / "configs" / "test_data.yaml"
-        _write_generate_config(cfg, cfg.test_data, test_dir, test_cfg)
+    # 2. data (and the optional transfer test set)
+    def _generate_stage(name: str, data_cfg: dict) -> Path:
+        out = run_dir / name
+        conf_path = run_dir / "configs" / f"{name}.yaml"
+        _write_generate_config(cfg, data_cfg, out, conf_path)
         runner.run(
-            "test_data",
-            {"data": cfg.test_data, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype},
+            name,
+            {"data": data_cfg, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype},
             ["fetch"],
-            lambda: (_cli(["generate", "--config", str(test_cfg)]) or {"data_dir": str(test_dir)}),
+            lambda: (_cli(["generate", "--config", str(conf_path)]) or {"data_dir": str(out)}),
             outputs_exist=lambda o: (Path(o.get("data_dir", "")) / "manifest.json").is_file(),
         )
-        eval_data = test_dir
+        return out
+
+    data_dir = _generate_stage("data", cfg.data)
+    eval_data = _generate_stage("test_data", cfg.test_data) if cfg.test_data else data_dir
 
     # 3. train each family
     checkpoints: dict[str, str] = {}

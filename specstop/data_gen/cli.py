@@ -126,16 +126,12 @@ def build_config(args: argparse.Namespace) -> DataGenConfig:
 
 
 def load_records(cfg: DataGenConfig) -> list:
-    from specstop.prompts import PromptSetConfig, load_prompt_set
+    from specstop.prompts import load_prompt_set
 
     pc = cfg.prompts
     if not pc.source:
         raise ValueError("no prompts given: pass --prompts FILE.jsonl (or set prompts.source in the config)")
-    return load_prompt_set(PromptSetConfig(
-        source=pc.source, template=pc.template, chat_template=pc.chat_template, system_prompt=pc.system_prompt,
-        hub_config=pc.hub_config, hub_split=pc.hub_split, id_field=pc.id_field, split_scheme=pc.split_scheme,
-        split_sizes=pc.split_sizes, seed=pc.seed, limit=pc.limit,
-    ))
+    return load_prompt_set(pc)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,25 +16,18 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from specstop.probs import DecodingConfig
+from specstop.prompts.sources import PromptSetConfig
 
 PROMPT_OVERFLOW = ("truncate", "skip")
 
 
 @dataclass
-class PromptsConfig:
-    """Where prompts come from; the fields of ``specstop.prompts.PromptSetConfig``."""
+class PromptsConfig(PromptSetConfig):
+    """Where prompts come from: ``specstop.prompts.PromptSetConfig`` whose ``source`` may come from
+    the ``--prompts`` flag instead of the YAML (so it may be unset while the config is assembled)."""
 
     source: str | None = None
-    template: str = "field:prompt"
-    chat_template: bool = True
-    system_prompt: str | None = None
-    hub_config: str | None = None
-    hub_split: str | None = None
-    id_field: str | None = None
-    split_scheme: str = "random"
     split_sizes: Any = None
-    seed: int = 0
-    limit: int | None = None
 
 
 @dataclass
