@@ -61,6 +61,7 @@ def pipeline_config(tmp_path_factory):
         "cost_model": "reference-cpu",
         "online_prompts": 1,
         "online_max_new_tokens": 12,
+        "export_policy": "disco_ffn",  # a learned policy: exercises export from a real training checkpoint
     }
     path = root / "pipeline.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -266,7 +266,11 @@ def export_from_files(
         predictor, meta = load_checkpoint(ckpt)
     elif checkpoint:
         raise ExportError(f"policy {name!r} ({spec.label}) is not a learned predictor: drop --checkpoint")
-    ds = dataset or meta.get("dataset") or t.get("dataset")
+    # The checkpoint records its dataset as a summary dict (with data_dir); tuned.json as a path.
+    ckpt_ds = meta.get("dataset")
+    if isinstance(ckpt_ds, dict):
+        ckpt_ds = ckpt_ds.get("data_dir")
+    ds = dataset or ckpt_ds or t.get("dataset")
     manifest = _read_manifest(ds)
     return export_policy(
         out,
