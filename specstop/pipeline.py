@@ -27,7 +27,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -412,6 +411,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wall time: {summary['seconds']:.0f} s")
     return 0
 
-
-def _jsonable(obj: Any) -> Any:  # pragma: no cover - helper for debugging
-    return json.loads(json.dumps(obj, default=str))

@@ -10,7 +10,6 @@ caller enforces the hard caps (``sl_max``, the tokens remaining, EOS) via :meth:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -174,5 +173,3 @@ class RoundPolicy:
 def make_round_policy(spec: PolicySpec) -> RoundPolicy:
     return RoundPolicy(spec)
 
-
-ScoreFn = Callable[..., float]
