@@ -97,7 +97,7 @@ def tiny_pair_models(seed: int = 0, noise: float = 0.03, arch: str = "qwen2", dr
     tsd = target.state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
     new_sd = {}
-    for k, v in draft.state_dict().items():
+    for k in draft.state_dict():
         src = tsd[k]
         scale = float(src.float().std()) if src.numel() > 1 else 0.0
         new_sd[k] = src + noise * scale * torch.randn(src.shape, generator=gen)

@@ -131,8 +131,8 @@ def test_pipeline_rejects_unknown_keys(tmp_path):
 def test_every_shipped_pipeline_config_parses():
     import pathlib
 
-    from specstop.pipeline import PipelineConfig
     from specstop.pair.registry import KNOWN_PAIRS
+    from specstop.pipeline import PipelineConfig
 
     root = pathlib.Path(__file__).resolve().parents[1] / "configs" / "pipelines"
     paths = sorted(root.glob("*.yaml"))
