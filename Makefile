@@ -1,5 +1,5 @@
 # Two commands for a newcomer: `make quickstart` and `make test`.
-VENV ?= .venv
+VENV ?= $(if $(SPECSTOP_VENV),$(SPECSTOP_VENV),.venv)
 PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
@@ -7,7 +7,7 @@ QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 .PHONY: setup quickstart test test-all lint info
 
 setup:
-	bash scripts/setup_env.sh
+	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
 
 ## Sets up, fetches + converts the reference pair, runs the quickstart pipeline.
 quickstart: setup
