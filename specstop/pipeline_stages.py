@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specstop.data_gen.storage import atomic_write_json
+from specstop.data_gen.storage import atomic_write_json, read_json_or_none
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,7 @@ class StageRunner:
         return self.state_dir / f"{name}.json"
 
     def previous(self, name: str) -> dict | None:
-        p = self._record_path(name)
-        if not p.is_file():
-            return None
-        try:
-            return json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
+        return read_json_or_none(self._record_path(name))
 
     def run(
         self,

@@ -140,14 +140,19 @@ def _as_list_or_array(v):
     return list(v)
 
 
-def read_shard_record(path: str | Path) -> dict | None:
-    p = Path(path) / COMPLETE_MARKER
+def read_json_or_none(path: str | Path) -> dict | None:
+    """The JSON at ``path``, or None when it is missing or unreadable (e.g. cut off by a crash)."""
+    p = Path(path)
     if not p.is_file():
         return None
     try:
         return json.loads(p.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def read_shard_record(path: str | Path) -> dict | None:
+    return read_json_or_none(Path(path) / COMPLETE_MARKER)
 
 
 def verify_shard(path: str | Path, *, check_hashes: bool = False) -> bool:
