@@ -9,8 +9,15 @@ Methods (each greedy unless --temperature > 0):
 
 Reports per method the median tokens/s over prompts x repeats, the ratio to the target alone, mean
 tokens per round, how many greedy outputs differ from the target's own, and for our decoder the
-predictor's overhead per draft step as a share of a draft forward. With --replay-report it puts the
-replay's predicted speedups next to the measured ones.
+predictor's overhead per draft step as a share of a draft forward.
+
+Predictions next to the measurements (speculative methods of our decoder):
+    --replay-report R   the eval report's replay speedup for the same policy (rows of R's report.json);
+                        fair when the prompts are the replayed ones: use --data DIR --split test, which
+                        feeds the dataset's own prompt ids with its max_new_tokens.
+    --cost C            the cost model (preset name or cost.json from `specstop calibrate-cost`) applied to
+                        this run's own counters (rounds, drafted tokens): isolates the cost model's error
+                        from the replay's (the decoder's greedy counts equal the replay's, tests check it).
 
 Example (tiny pair, seconds):
     python -m specstop.testing  # or: python -c "from specstop.testing import save_tiny_pair; save_tiny_pair('/tmp/tiny')"
@@ -28,6 +35,32 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def dataset_prompts(args) -> tuple[list[list[int]], int | None]:
+    """Prompt ids (already rendered) of a specstop dataset's split, and its max_new_tokens."""
+    from specstop.data_gen.storage import load_table, read_manifest
+
+    seqs = load_table(args.data, "sequences", args.split or "test")
+    if len(seqs) == 0:
+        raise SystemExit(f"{args.data} has no {args.split or 'test'} prompts")
+    ids = [list(r) for r in seqs["prompt_ids"]]
+    if args.limit:
+        ids = ids[: args.limit]
+    return ids, read_manifest(args.data)["generation"]["max_new_tokens"]
+
+
+def replay_key(method: str, rows: dict) -> str | None:
+    """The eval report row that replays ``method`` (an export dir name, static:K, heuristic, confidence:T)."""
+    if method in rows:
+        return method
+    kind, _, arg = method.partition(":")
+    for key, row in rows.items():
+        spec = row.get("spec") or {}
+        if kind == "static" and spec.get("kind") == "static" and str(spec.get("k")) == arg:
+            return key
+    by_name = {"heuristic": "dynheur", "confidence": f"confidence_{arg}"}.get(kind)
+    return by_name if by_name in rows else None
 
 
 def read_prompts(args) -> list[str]:
@@ -87,18 +120,33 @@ def run_hf(pair, ids, max_new, gen_kwargs, assistant=None, policy=None):
     return toks, dt, rounds
 
 
+@torch.no_grad()
+def first_flip(pair, prompt_ids: list[int], ref: list[int], out: list[int], method: str, prompt: int) -> dict:
+    """Where ``out`` first departs from the target's own greedy ``ref``, and the target's top-2 logit
+    gap there (one full forward over the shared prefix). In float32 there are no flips; in bf16 the
+    decoder's batched verification and generate's single-token steps use different kernels, so a
+    flip is expected only where the top two logits (nearly) tie."""
+    j = next((t for t, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    x = torch.tensor([prompt_ids + ref[:j]], device=pair.target_device)
+    logits = pair.target(input_ids=x).logits[0, -1, : pair.vocab_size].float()
+    top2 = logits.topk(2).values
+    return {"method": method, "prompt": prompt, "token": j, "target_token": ref[j] if j < len(ref) else None,
+            "method_token": out[j] if j < len(out) else None, "top2_gap": float(top2[0] - top2[1])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     ap.add_argument("--prompt", action="append", help="a prompt text (repeatable)")
     ap.add_argument("--prompts", help="prompts file: .json list, .jsonl records or .txt lines")
+    ap.add_argument("--data", help="a specstop dataset: decode its --split prompts (rendered ids) at its max_new_tokens")
     ap.add_argument("--field", default="prompt_text", help="record field holding the text")
     ap.add_argument("--split", default=None, help="keep records of this split only (e.g. test)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
     ap.add_argument("--hf-policies", action="store_true", help="also run HF assisted generation driven by each policy")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted baselines")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (--data), else 128")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="auto")
@@ -107,6 +155,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="our decoder compiled (CUDA; implies --static-cache)")
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
+    ap.add_argument("--cost", help="cost model (preset or cost.json) to predict each run from its own counters")
+    ap.add_argument("--flip-epsilon", type=float, default=0.5,
+                    help="a greedy flip whose top-2 target logit gap is below this counts as a near-tie (bf16)")
     ap.add_argument("--out", help="write all measurements as JSON here")
     args = ap.parse_args(argv)
 
@@ -117,8 +168,17 @@ def main(argv=None) -> int:
     from specstop.probs import DecodingConfig
 
     pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
-    texts = read_prompts(args)
-    prompts = [render(t, pair.tokenizer, not args.no_chat_template) for t in texts]
+    if args.data:
+        prompts, data_max_new = dataset_prompts(args)
+        args.max_new_tokens = args.max_new_tokens or data_max_new
+    else:
+        prompts = [render(t, pair.tokenizer, not args.no_chat_template) for t in read_prompts(args)]
+    args.max_new_tokens = args.max_new_tokens or 128
+    cost = None
+    if args.cost:
+        from specstop.eval.cost import load_cost_model
+
+        cost = load_cost_model(args.cost)
     decoding = DecodingConfig(temperature=args.temperature)
     gen_kwargs = {"do_sample": False} if decoding.greedy else {"do_sample": True, "temperature": args.temperature}
     gen_kwargs["suppress_tokens"] = list(range(pair.vocab_size, pair.target_identity.logits_size)) or None
@@ -145,10 +205,13 @@ def main(argv=None) -> int:
 
         def ours(ids, dec=dec, name=name):
             res = dec.generate(ids, args.max_new_tokens, seed=0)
-            st = stats.setdefault(f"ours:{name}", {"draft": 0.0, "predictor": 0.0, "steps": 0})
+            st = stats.setdefault(f"ours:{name}", {"draft": 0.0, "predictor": 0.0, "target": 0.0, "steps": 0, "rounds": 0, "N": 0})
             st["draft"] += res.timings["draft"]
             st["predictor"] += res.timings["predictor"]
+            st["target"] += res.timings["target"]
             st["steps"] += res.counters["N_draft"]
+            st["rounds"] += res.counters["N_target"]
+            st["N"] += res.counters["N"]
             return res.token_ids, res.timings["total"], res.counters["rounds"]
 
         methods[f"ours:{name}"] = ours
@@ -161,6 +224,7 @@ def main(argv=None) -> int:
     stats.clear()
     rows = {m: {"tok_s": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
     ref_out: dict[int, list[int]] = {}
+    flips: list[dict] = []
     for rep in range(args.repeats):
         for i, ids in enumerate(prompts):
             for m, fn in methods.items():  # side by side: every method on the same prompt in turn
@@ -173,35 +237,58 @@ def main(argv=None) -> int:
                     ref_out.setdefault(i, toks)
                 elif decoding.greedy and rep == 0 and toks != ref_out.get(i):
                     r["mismatch"] += 1
+                    flips.append(first_flip(pair, prompts[i], ref_out[i], toks, m, i))
             print(f"repeat {rep + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} done", file=sys.stderr)
 
     replay = {}
     if args.replay_report:
-        rep_json = json.loads(Path(args.replay_report).read_text())
-        for name, entry in (rep_json.get("policies") or {}).items():
-            if isinstance(entry, dict):
-                replay[name] = entry.get("speedup") or entry.get("predicted_speedup")
+        rep_rows = json.loads(Path(args.replay_report).read_text()).get("rows") or {}
+        for name in policies:
+            key = replay_key(name, rep_rows)
+            if key is not None:
+                replay[name] = rep_rows[key].get("speedup")
 
     base = statistics.median(rows["target"]["tok_s"])
     print(f"\npair {pair.name}, {len(prompts)} prompts x {args.repeats} repeats, max_new_tokens {args.max_new_tokens}, "
           f"T={args.temperature}, device {pair.target_device}, dtype {pair.target_identity.dtype}")
-    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'tok/round':>10}{'greedy diffs':>13}{'pred/draft':>11}{'replay':>8}")
+    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'tok/round':>10}{'greedy diffs':>13}{'pred/draft':>11}"
+          f"{'replay':>8}{'cost model':>11}")
     table = []
     for m, r in rows.items():
         med = statistics.median(r["tok_s"])
         per_round = r["tokens"] / r["rounds"] if r["rounds"] else float("nan")
         st = stats.get(m)
         overhead = st["predictor"] / st["draft"] if st and st["draft"] > 0 else None
-        key = m.split(":", 1)[-1]
-        pred = replay.get(key)
+        pred = replay.get(m.split(":", 1)[-1]) if m.startswith("ours:") else None
+        model = None
+        if cost is not None and st and st["N"]:
+            model = cost.target_only_per_token / float(cost.latency_per_token(st["rounds"], st["steps"], st["N"]))
+        phases = None
+        if st and st["rounds"]:
+            # Measured per-phase costs, to compare with the cost model's t_draft and t_target + b (K + 1).
+            phases = {"draft_per_step": st["draft"] / max(st["steps"], 1), "target_per_round": st["target"] / st["rounds"],
+                      "drafted_per_round": st["steps"] / st["rounds"]}
         table.append({"method": m, "tok_s_median": med, "speedup": med / base, "tokens_per_round": per_round,
                       "greedy_mismatches": r["mismatch"], "predictor_share_of_draft": overhead, "replay_speedup": pred,
-                      "tok_s": r["tok_s"]})
+                      "cost_model_speedup": model, "phases": phases, "tok_s": r["tok_s"]})
         print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{per_round:>10.2f}{r['mismatch']:>13}"
-              f"{'' if overhead is None else f'{100 * overhead:.1f}%':>11}{'' if pred is None else f'{pred:.2f}x':>8}")
+              f"{'' if overhead is None else f'{100 * overhead:.1f}%':>11}{'' if pred is None else f'{pred:.2f}x':>8}"
+              f"{'' if model is None else f'{model:.2f}x':>11}")
+    for f in flips:
+        near = f["top2_gap"] < args.flip_epsilon
+        print(f"greedy flip: {f['method']} prompt {f['prompt']} token {f['token']}: top-2 logit gap {f['top2_gap']:.4f} "
+              f"({'near-tie' if near else 'NOT a near-tie'}: epsilon {args.flip_epsilon})")
     print("tok/round = emitted tokens per target forward (n + 1); pred/draft = policy time per draft step / draft forward time")
+    print(f"target alone: {1.0 / base:.4f} s/token measured" + (f", {cost.target_only_per_token:.4f} in the cost model" if cost else ""))
+    for row in table:
+        if row["phases"]:
+            ph = row["phases"]
+            print(f"  {row['method']}: draft {ph['draft_per_step']:.4f} s/step, target {ph['target_per_round']:.4f} s/round "
+                  f"at {ph['drafted_per_round']:.2f} drafted/round")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": table}, indent=2))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "cost": cost.to_dict() if cost else None,
+                                              "target_s_per_token": 1.0 / base, "flips": flips,
+                                              "flip_epsilon": args.flip_epsilon, "rows": table}, indent=2))
     return 0
 
 
