@@ -352,6 +352,15 @@ def headline_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _replay_speedup_of_export(report: dict, export_dir: Path) -> float | None:
+    """The eval report's replay speedup for the exported policy (its row is keyed by the policy name)."""
+    try:
+        name = json.loads((Path(export_dir) / "config.json").read_text())["name"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return ((report.get("rows") or {}).get(name) or {}).get("speedup")
+
+
 def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path, export_dir: Path,
                      train_metrics: dict, seconds: float) -> dict:
     run_dir = Path(cfg.run_dir)
@@ -376,6 +385,12 @@ def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path
                f"all outputs identical to the target's greedy output: **{online['all_identical']}**; "
                f"mean measured speedup over target-only `generate`: {online.get('mean_speedup') or float('nan'):.2f}x "
                f"on {len(online['rows'])} prompt(s)", ""]
+        predicted = _replay_speedup_of_export(report, export_dir)
+        if predicted is not None:
+            md += [f"The replay predicted {predicted:.2f}x for this policy on the whole test split with the "
+                   f"`{(report.get('cost_model') or {}).get('name')}` cost model; a gap between the two is the cost "
+                   "model's error on this machine (the decoder's counts equal the replay's): measure it with "
+                   "`specstop calibrate-cost` and `benchmarks/online_speedup.py --cost` (README, Tests and benchmarks).", ""]
     md += ["## Validation metrics per family", "", "| family | metrics |", "|---|---|"]
     for fam, m in train_metrics.items():
         keep = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in (m or {}).items()
