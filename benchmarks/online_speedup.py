@@ -117,7 +117,21 @@ def run_hf(pair, ids, max_new, gen_kwargs, assistant=None, policy=None):
     dt = time.perf_counter() - t0
     toks = out[0, len(ids) :].tolist()
     rounds = len(info["generator"].round_lengths) if info.get("generator") else None
-    return toks, dt, rounds
+    return toks, dt, rounds, None
+
+
+@torch.no_grad()
+def run_target(pair, ids, max_new, gen_kwargs):
+    """Target alone; also times one prefill forward over the prompt, so the decode phase can be
+    compared without the prompt's cost (on a CPU a 200-token prefill costs as much as ~10 tokens)."""
+    x = torch.tensor([ids], device=pair.target_device)
+    sync(pair.target_device)
+    t0 = time.perf_counter()
+    pair.target(input_ids=x, logits_to_keep=1)
+    sync(pair.target_device)
+    prefill = time.perf_counter() - t0
+    toks, dt, rounds, _ = run_hf(pair, ids, max_new, gen_kwargs)
+    return toks, dt, rounds, prefill
 
 
 @torch.no_grad()
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
         pol = StoppingPolicy.load(spec, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash, device=pair.draft_device)
         policies[Path(spec).name if Path(spec).is_dir() else spec] = pol
 
-    methods: dict[str, callable] = {"target": lambda ids: run_hf(pair, ids, args.max_new_tokens, gen_kwargs)}
+    methods: dict[str, callable] = {"target": lambda ids: run_target(pair, ids, args.max_new_tokens, gen_kwargs)}
     if not args.no_hf:
         def hf_default(ids):
             set_hf_assistant(pair.draft, num_tokens=20, schedule="constant", confidence=0.4)
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
             st["steps"] += res.counters["N_draft"]
             st["rounds"] += res.counters["N_target"]
             st["N"] += res.counters["N"]
-            return res.token_ids, res.timings["total"], res.counters["rounds"]
+            return res.token_ids, res.timings["total"], res.counters["rounds"], res.timings["prefill"]
 
         methods[f"ours:{name}"] = ours
         if args.hf_policies:
@@ -222,15 +236,17 @@ def main(argv=None) -> int:
     for fn in methods.values():
         fn(prompts[0])
     stats.clear()
-    rows = {m: {"tok_s": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
+    rows = {m: {"tok_s": [], "decode_tok_s": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
     ref_out: dict[int, list[int]] = {}
     flips: list[dict] = []
     for rep in range(args.repeats):
         for i, ids in enumerate(prompts):
             for m, fn in methods.items():  # side by side: every method on the same prompt in turn
-                toks, dt, rounds = fn(ids)
+                toks, dt, rounds, prefill = fn(ids)
                 r = rows[m]
                 r["tok_s"].append(len(toks) / max(dt, 1e-9))
+                if prefill is not None:  # decode phase only: everything after the prompt's prefill
+                    r["decode_tok_s"].append(len(toks) / max(dt - prefill, 1e-9))
                 r["tokens"] += len(toks)
                 r["rounds"] += rounds or 0
                 if m == "target":
@@ -249,13 +265,15 @@ def main(argv=None) -> int:
                 replay[name] = rep_rows[key].get("speedup")
 
     base = statistics.median(rows["target"]["tok_s"])
+    decode_base = statistics.median(rows["target"]["decode_tok_s"])
     print(f"\npair {pair.name}, {len(prompts)} prompts x {args.repeats} repeats, max_new_tokens {args.max_new_tokens}, "
           f"T={args.temperature}, device {pair.target_device}, dtype {pair.target_identity.dtype}")
-    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'tok/round':>10}{'greedy diffs':>13}{'pred/draft':>11}"
-          f"{'replay':>8}{'cost model':>11}")
+    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'decode':>8}{'tok/round':>10}{'greedy diffs':>13}"
+          f"{'pred/draft':>11}{'replay':>8}{'cost model':>11}")
     table = []
     for m, r in rows.items():
         med = statistics.median(r["tok_s"])
+        decode = statistics.median(r["decode_tok_s"]) / decode_base if r["decode_tok_s"] else None
         per_round = r["tokens"] / r["rounds"] if r["rounds"] else float("nan")
         st = stats.get(m)
         overhead = st["predictor"] / st["draft"] if st and st["draft"] > 0 else None
@@ -268,17 +286,21 @@ def main(argv=None) -> int:
             # Measured per-phase costs, to compare with the cost model's t_draft and t_target + b (K + 1).
             phases = {"draft_per_step": st["draft"] / max(st["steps"], 1), "target_per_round": st["target"] / st["rounds"],
                       "drafted_per_round": st["steps"] / st["rounds"]}
-        table.append({"method": m, "tok_s_median": med, "speedup": med / base, "tokens_per_round": per_round,
+        table.append({"method": m, "tok_s_median": med, "speedup": med / base, "decode_speedup": decode,
+                      "tokens_per_round": per_round,
                       "greedy_mismatches": r["mismatch"], "predictor_share_of_draft": overhead, "replay_speedup": pred,
                       "cost_model_speedup": model, "phases": phases, "tok_s": r["tok_s"]})
-        print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{per_round:>10.2f}{r['mismatch']:>13}"
+        print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{'' if decode is None else f'{decode:.2f}x':>8}"
+              f"{per_round:>10.2f}{r['mismatch']:>13}"
               f"{'' if overhead is None else f'{100 * overhead:.1f}%':>11}{'' if pred is None else f'{pred:.2f}x':>8}"
               f"{'' if model is None else f'{model:.2f}x':>11}")
     for f in flips:
         near = f["top2_gap"] < args.flip_epsilon
         print(f"greedy flip: {f['method']} prompt {f['prompt']} token {f['token']}: top-2 logit gap {f['top2_gap']:.4f} "
               f"({'near-tie' if near else 'NOT a near-tie'}: epsilon {args.flip_epsilon})")
-    print("tok/round = emitted tokens per target forward (n + 1); pred/draft = policy time per draft step / draft forward time")
+    print("decode = speedup with each method's prompt prefill taken out (target alone: one timed prefill forward);\n"
+          "replay / cost model predict the decode phase (they do not model prefill); tok/round = emitted tokens per\n"
+          "target forward (n + 1); pred/draft = policy time per draft step / draft forward time")
     print(f"target alone: {1.0 / base:.4f} s/token measured" + (f", {cost.target_only_per_token:.4f} in the cost model" if cost else ""))
     for row in table:
         if row["phases"]:
