@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default=None, help="keep records of this split only (e.g. test)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
-    ap.add_argument("--hf-policies", action="store_true", help="also run HF assisted generation driven by each policy")
+    ap.add_argument("--hf-policies", nargs="*", default=None, metavar="NAME",
+                    help="also run HF assisted generation driven by these policies (names as in --policy; none = all)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF assisted baselines")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (--data), else 128")
     ap.add_argument("--repeats", type=int, default=3)
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
             return res.token_ids, res.timings["total"], res.counters["rounds"], res.timings["prefill"]
 
         methods[f"ours:{name}"] = ours
-        if args.hf_policies:
+        if args.hf_policies is not None and (not args.hf_policies or name in args.hf_policies):
             methods[f"hf+{name}"] = lambda ids, pol=pol: run_hf(pair, ids, args.max_new_tokens, gen_kwargs, assistant=pair.draft, policy=pol)
 
     # Warm up every method once (allocator, kernels, compilation) before timing; a short run is
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         fn(prompts[0])
     args.max_new_tokens = full
     stats.clear()
-    rows = {m: {"tok_s": [], "decode_tok_s": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
+    rows = {m: {"tok_s": [], "decode_tok_s": [], "runs": [], "tokens": 0, "rounds": 0, "mismatch": 0} for m in methods}
     ref_out: dict[int, list[int]] = {}
     flips: list[dict] = []
     for rep in range(args.repeats):
@@ -251,6 +252,7 @@ def main(argv=None) -> int:
                 toks, dt, rounds, prefill = fn(ids)
                 r = rows[m]
                 r["tok_s"].append(len(toks) / max(dt, 1e-9))
+                r["runs"].append({"prompt": i, "repeat": rep, "tokens": len(toks), "seconds": dt, "prefill": prefill})
                 if prefill is not None:  # decode phase only: everything after the prompt's prefill
                     r["decode_tok_s"].append(len(toks) / max(dt - prefill, 1e-9))
                 r["tokens"] += len(toks)
@@ -272,14 +274,27 @@ def main(argv=None) -> int:
 
     base = statistics.median(rows["target"]["tok_s"])
     decode_base = statistics.median(rows["target"]["decode_tok_s"])
+
+    def aggregate(runs: list[dict], decode: bool) -> float | None:
+        """Total tokens / total seconds: the replay's definition (summed cost over summed tokens)."""
+        if decode and any(x["prefill"] is None for x in runs):
+            return None
+        secs = sum(x["seconds"] - (x["prefill"] if decode else 0.0) for x in runs)
+        return sum(x["tokens"] for x in runs) / max(secs, 1e-9)
+
+    agg_base = aggregate(rows["target"]["runs"], False)
+    agg_decode_base = aggregate(rows["target"]["runs"], True)
     print(f"\npair {pair.name}, {len(prompts)} prompts x {args.repeats} repeats, max_new_tokens {args.max_new_tokens}, "
           f"T={args.temperature}, device {pair.target_device}, dtype {pair.target_identity.dtype}")
-    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'decode':>8}{'tok/round':>10}{'greedy diffs':>13}"
-          f"{'pred/draft':>11}{'replay':>8}{'cost model':>11}")
+    print(f"{'method':<28}{'tok/s (median)':>15}{'speedup':>9}{'decode':>8}{'sum':>7}{'sum dec':>8}{'tok/round':>10}"
+          f"{'greedy diffs':>13}{'pred/draft':>11}{'replay':>8}{'cost model':>11}")
     table = []
     for m, r in rows.items():
         med = statistics.median(r["tok_s"])
         decode = statistics.median(r["decode_tok_s"]) / decode_base if r["decode_tok_s"] else None
+        agg = aggregate(r["runs"], False) / agg_base
+        agg_dec = aggregate(r["runs"], True)
+        agg_dec = agg_dec / agg_decode_base if agg_dec is not None else None
         per_round = r["tokens"] / r["rounds"] if r["rounds"] else float("nan")
         st = stats.get(m)
         overhead = st["predictor"] / st["draft"] if st and st["draft"] > 0 else None
@@ -293,10 +308,12 @@ def main(argv=None) -> int:
             phases = {"draft_per_step": st["draft"] / max(st["steps"], 1), "target_per_round": st["target"] / st["rounds"],
                       "drafted_per_round": st["steps"] / st["rounds"]}
         table.append({"method": m, "tok_s_median": med, "speedup": med / base, "decode_speedup": decode,
+                      "sum_speedup": agg, "sum_decode_speedup": agg_dec, "runs": r["runs"],
                       "tokens_per_round": per_round,
                       "greedy_mismatches": r["mismatch"], "predictor_share_of_draft": overhead, "replay_speedup": pred,
                       "cost_model_speedup": model, "phases": phases, "tok_s": r["tok_s"]})
-        print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{'' if decode is None else f'{decode:.2f}x':>8}"
+        print(f"{m:<28}{med:>15.1f}{med / base:>8.2f}x{'' if decode is None else f'{decode:.2f}x':>8}{agg:>6.2f}x"
+              f"{'' if agg_dec is None else f'{agg_dec:.2f}x':>8}"
               f"{per_round:>10.2f}{r['mismatch']:>13}"
               f"{'' if overhead is None else f'{100 * overhead:.1f}%':>11}{'' if pred is None else f'{pred:.2f}x':>8}"
               f"{'' if model is None else f'{model:.2f}x':>11}")
@@ -304,7 +321,8 @@ def main(argv=None) -> int:
         near = f["top2_gap"] < args.flip_epsilon
         print(f"greedy flip: {f['method']} prompt {f['prompt']} token {f['token']}: top-2 logit gap {f['top2_gap']:.4f} "
               f"({'near-tie' if near else 'NOT a near-tie'}: epsilon {args.flip_epsilon})")
-    print("decode = speedup with each method's prompt prefill taken out (target alone: one timed prefill forward);\n"
+    print("speedup / decode = ratios of median tok/s; sum / sum dec = total tokens over total seconds (the replay's\n"
+          "definition); decode = each method's prompt prefill taken out (target alone: one timed prefill forward);\n"
           "replay / cost model predict the decode phase (they do not model prefill); tok/round = emitted tokens per\n"
           "target forward (n + 1); pred/draft = policy time per draft step / draft forward time")
     print(f"target alone: {1.0 / base:.4f} s/token measured" + (f", {cost.target_only_per_token:.4f} in the cost model" if cost else ""))

@@ -3,7 +3,7 @@
 import numpy as np
 
 from specstop.eval.cost import PRESETS, CostModel, load_cost_model
-from specstop.eval.replay import replay
+from specstop.eval.replay import Counts, replay
 from specstop.eval.synthetic import random_replay_data
 from specstop.policy import PolicySpec
 
@@ -44,3 +44,21 @@ def test_calibrate_tiny_pair(tmp_path):
     assert np.isfinite(cost.fit["draft"]["r2"])
     cost.save(tmp_path / "cost.json")
     assert load_cost_model(str(tmp_path / "cost.json")).t_draft == cost.t_draft
+
+
+def test_single_step_cost_prices_plain_decoding_and_k0_rounds():
+    # CPU regime: one token is much cheaper than the verification line's value at K = 0.
+    cost = CostModel(t_draft=0.2, t_target=1.2, verify_per_token=0.12, t_target_single=0.57)
+    assert np.isclose(cost.target_only_per_token, 0.57)
+    assert np.isclose(cost.round_cost(0), 0.57)
+    assert np.isclose(cost.round_cost(2), 1.2 + 0.12 * 3 + 2 * 0.2)
+    # 3 rounds, one of which drafted nothing, 5 drafted tokens.
+    assert np.isclose(cost.total(3, 5, target_only=1), 2 * 1.32 + 0.57 + 5 * 0.32)
+    # The target-only replay row is exactly plain decoding: speedup 1.
+    d = random_replay_data(4, 30, seed=1, max_new_tokens=30, eos_end=False, vary_lengths=False)
+    n = d.num_tokens
+    assert np.isclose(Counts(n=n, rounds=n, target_only=n).metrics(cost)["speedup"], 1.0)
+    # Brute force: a static policy's latency equals the sum of its rounds' costs.
+    c = replay(d, PolicySpec(kind="static", k=3))
+    by_round = c.target_only * 0.57 + (c.rounds - c.target_only) * 1.32 + c.drafted * 0.32
+    assert np.isclose(c.metrics(cost)["latency_per_token"], by_round / c.n)

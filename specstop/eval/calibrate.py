@@ -6,9 +6,11 @@ With a KV cache filled by the prompt, we time (``time.perf_counter``, CUDA synch
 * target verification passes over K + 1 tokens, K in {0, 1, 2, 4, 8, 16}:
   t_target(K) = a + b * (K + 1).
 
-Both lines are fitted by least squares over all prompts and repeats and reported with R^2. The
-cost model gets t_draft (slope), t_target = a (intercept) and verify_per_token = b (slope; clamped
-at 0 when noise makes it negative). SpecDec++ Eq. 5.1 assumes b = 0; on a CPU it is not.
+Both lines are fitted by least squares over all prompts and repeats and reported with R^2; the
+target's line over K >= 1 only, because a single token (K = 0) runs through other kernels
+(matrix-vector on a CPU) and gets its own cost, t_target_single = the mean at K = 0. The cost
+model gets t_draft (slope), t_target = a (intercept), verify_per_token = b (slope; clamped at 0 when
+noise makes it negative) and t_target_single. SpecDec++ Eq. 5.1 assumes b = 0; on a CPU it is not.
 Optionally ``--checkpoint`` times a stopping predictor per draft step.
 """
 
@@ -196,7 +198,13 @@ def calibrate(
     dn, dt = zip(*raw["draft"])
     c, t_draft, r2_d = linfit(np.array(dn), np.array(dt))
     tk, tt = zip(*raw["target"])
-    a, b, r2_t = linfit(np.array(tk) + 1, np.array(tt))
+    tk, tt = np.array(tk), np.array(tt)
+    multi = tk >= 1
+    if multi.sum() >= 2 and len(set(tk[multi])) >= 2:
+        a, b, r2_t = linfit(tk[multi] + 1, tt[multi])
+    else:  # only K = 0 timed: a flat line through it
+        a, b, r2_t = float(tt.mean()), 0.0, 1.0
+    single = float(tt[tk == 0].mean()) if (tk == 0).any() else None
     if t_draft <= 0:
         t_draft = float(np.mean(np.array(dt) / np.array(dn)))  # noise swamped the slope: use the mean step
     pred = time_predictor(predictor_checkpoint) if predictor_checkpoint else 0.0
@@ -217,6 +225,7 @@ def calibrate(
         t_draft=max(t_draft, 0.0),
         t_target=max(a, 1e-9),
         verify_per_token=max(b, 0.0),
+        t_target_single=single,
         predictor_per_step=pred,
         name=name,
         fit=fit,
@@ -236,9 +245,11 @@ def run(args) -> int:
     cost.save(args.out)
     f = cost.fit
     log.info(
-        "t_draft %.5f s/step (R^2 %.3f); t_target(K) = %.5f + %.5f*(K+1) s (R^2 %.3f); predictor %.2e s/step -> %s",
+        "t_draft %.5f s/step (R^2 %.3f); single target step %.5f s; t_target(K >= 1) = %.5f + %.5f*(K+1) s "
+        "(R^2 %.3f); predictor %.2e s/step -> %s",
         cost.t_draft,
         f["draft"]["r2"],
+        cost.single_step,
         f["target"]["a"],
         f["target"]["b"],
         f["target"]["r2"],

@@ -109,7 +109,7 @@ def mc_replay(
     s = data.offsets[lanes_p].copy()
     end = data.offsets[lanes_p + 1]
     sched = np.full(len(s), spec.start, np.int64)
-    tot = {k: np.zeros(repeats, np.int64) for k in ("rounds", "drafted", "accepted", "emitted", "rejections")}
+    tot = {k: np.zeros(repeats, np.int64) for k in ("rounds", "drafted", "accepted", "emitted", "rejections", "target_only")}
     alive = s < end
     s, end, lanes_p, rep, sched = s[alive], end[alive], lanes_p[alive], rep[alive], sched[alive]
     acc_p = data.accept_expected
@@ -146,6 +146,7 @@ def mc_replay(
             ("accepted", n_acc),
             ("emitted", emitted),
             ("rejections", (n_acc < k).astype(np.int64)),
+            ("target_only", (k == 0).astype(np.int64)),
         ):
             np.add.at(tot[name], rep, val)
         if heuristic:
@@ -153,12 +154,13 @@ def mc_replay(
         s = s + emitted
         keep = s < end
         s, end, lanes_p, rep, sched = s[keep], end[keep], lanes_p[keep], rep[keep], sched[keep]
-    lat = cost.latency_per_token(tot["rounds"], tot["drafted"], tot["emitted"])
+    lat = cost.latency_per_token(tot["rounds"], tot["drafted"], tot["emitted"], tot["target_only"])
     mean = Counts(
         n=int(round(tot["emitted"].mean())),
         rounds=int(round(tot["rounds"].mean())),
         drafted=int(round(tot["drafted"].mean())),
         accepted=int(round(tot["accepted"].mean())),
+        target_only=int(round(tot["target_only"].mean())),
         prompts=n_p,
     )
     out = mean.metrics(cost)

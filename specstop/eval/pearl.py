@@ -34,7 +34,7 @@ from specstop.eval.episodes import ReplayData
 
 def pearl_gamma(cost: CostModel) -> int:
     """PEARL's optimal window: round(t_target / t_draft), at least 1."""
-    return max(1, int(round((cost.t_target + cost.verify_per_token) / max(cost.draft_step, 1e-12))))
+    return max(1, int(round(cost.single_step / max(cost.draft_step, 1e-12))))
 
 
 def match_runs(data: ReplayData) -> np.ndarray:
@@ -59,7 +59,7 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
     td = cost.draft_step + cost.predictor_per_step * 0  # PEARL has no stopping predictor
 
     def tt(n: int) -> float:
-        return cost.t_target + cost.verify_per_token * n
+        return cost.single_step if n == 1 else cost.t_target + cost.verify_per_token * n
 
     for p in range(data.num_prompts):
         o, n_tok = int(data.offsets[p]), int(data.offsets[p + 1] - data.offsets[p])

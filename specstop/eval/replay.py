@@ -93,7 +93,7 @@ class Counts:
             "tokens_per_round": self.n / r,
         }
         if cost is not None:
-            out["latency_per_token"] = float(cost.latency_per_token(self.rounds, self.drafted, self.n))
+            out["latency_per_token"] = float(cost.latency_per_token(self.rounds, self.drafted, self.n, self.target_only))
             out["speedup"] = cost.target_only_per_token / out["latency_per_token"]
         return out
 

@@ -250,7 +250,8 @@ def to_markdown(rep: dict) -> str:
         f"- data: `{rep['dataset']}` ({rep['prompts']} prompts, {rep['tokens']} tokens), {rep['mode']}",
         f"- tuned on: `{rep['tuned_on']['dataset']}` split `{rep['tuned_on']['split']}`"
         + (" (transfer)" if rep["transfer"] else ""),
-        f"- cost model `{c['name']}`: t_draft={c['t_draft']:g}s, t_target={c['t_target']:g}s, verify/token={c['verify_per_token']:g}s, predictor/step={c['predictor_per_step']:g}s",
+        f"- cost model `{c['name']}`: t_draft={c['t_draft']:g}s, t_target={c['t_target']:g}s, verify/token={c['verify_per_token']:g}s, predictor/step={c['predictor_per_step']:g}s"
+        + ("" if c.get("t_target_single") is None else f", single target step={c['t_target_single']:g}s"),
         "",
         "| policy | latency/token (s) | speedup | discard rate | verification rate | accepted/round (no bonus) | tokens/round (with bonus) | vs Static-opt | gap closed |",
         "|---|---|---|---|---|---|---|---|---|",
