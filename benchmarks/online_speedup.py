@@ -50,19 +50,6 @@ def dataset_prompts(args) -> tuple[list[list[int]], int | None]:
     return ids, read_manifest(args.data)["generation"]["max_new_tokens"]
 
 
-def replay_key(method: str, rows: dict) -> str | None:
-    """The eval report row that replays ``method`` (an export dir name, static:K, heuristic, confidence:T)."""
-    if method in rows:
-        return method
-    kind, _, arg = method.partition(":")
-    for key, row in rows.items():
-        spec = row.get("spec") or {}
-        if kind == "static" and spec.get("kind") == "static" and str(spec.get("k")) == arg:
-            return key
-    by_name = {"heuristic": "dynheur", "confidence": f"confidence_{arg}"}.get(kind)
-    return by_name if by_name in rows else None
-
-
 def read_prompts(args) -> list[str]:
     texts = list(args.prompt or [])
     if args.prompts:
@@ -222,12 +209,14 @@ def main(argv=None) -> int:
 
         def ours(ids, dec=dec, name=name):
             res = dec.generate(ids, args.max_new_tokens, seed=0)
-            st = stats.setdefault(f"ours:{name}", {"draft": 0.0, "predictor": 0.0, "target": 0.0, "steps": 0, "rounds": 0, "N": 0})
+            st = stats.setdefault(f"ours:{name}", {"draft": 0.0, "predictor": 0.0, "target": 0.0, "steps": 0, "rounds": 0,
+                                                   "target_only": 0, "N": 0})
             st["draft"] += res.timings["draft"]
             st["predictor"] += res.timings["predictor"]
             st["target"] += res.timings["target"]
             st["steps"] += res.counters["N_draft"]
             st["rounds"] += res.counters["N_target"]
+            st["target_only"] += res.round_lengths.count(0)
             st["N"] += res.counters["N"]
             return res.token_ids, res.timings["total"], res.counters["rounds"], res.timings["prefill"]
 
@@ -266,9 +255,12 @@ def main(argv=None) -> int:
 
     replay = {}
     if args.replay_report:
+        from specstop.eval.report import row_key_for_policy
+
         rep_rows = json.loads(Path(args.replay_report).read_text()).get("rows") or {}
-        for name in policies:
-            key = replay_key(name, rep_rows)
+        for name, pol in policies.items():
+            # An export is replayed under its tuned policy's name, whatever its folder is called.
+            key = row_key_for_policy(rep_rows, pol.config.get("name") or name)
             if key is not None:
                 replay[name] = rep_rows[key].get("speedup")
 
@@ -301,7 +293,7 @@ def main(argv=None) -> int:
         pred = replay.get(m.split(":", 1)[-1]) if m.startswith("ours:") else None
         model = None
         if cost is not None and st and st["N"]:
-            model = cost.target_only_per_token / float(cost.latency_per_token(st["rounds"], st["steps"], st["N"]))
+            model = cost.target_only_per_token / float(cost.latency_per_token(st["rounds"], st["steps"], st["N"], st["target_only"]))
         phases = None
         if st and st["rounds"]:
             # Measured per-phase costs, to compare with the cost model's t_draft and t_target + b (K + 1).

@@ -354,11 +354,15 @@ def headline_table(report: dict) -> str:
 
 def _replay_speedup_of_export(report: dict, export_dir: Path) -> float | None:
     """The eval report's replay speedup for the exported policy (its row is keyed by the policy name)."""
+    from specstop.eval.report import row_key_for_policy
+
     try:
         name = json.loads((Path(export_dir) / "config.json").read_text())["name"]
     except (OSError, ValueError, KeyError):
         return None
-    return ((report.get("rows") or {}).get(name) or {}).get("speedup")
+    rows = report.get("rows") or {}
+    key = row_key_for_policy(rows, name)
+    return rows[key].get("speedup") if key else None
 
 
 def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path, export_dir: Path,

@@ -20,7 +20,7 @@ def test_general_round_cost():
     cost = CostModel(t_draft=0.1, t_target=1.0, verify_per_token=0.05, predictor_per_step=0.01)
     assert np.isclose(cost.round_cost(3), 3 * 0.11 + 1.0 + 0.05 * 4)
     assert np.isclose(cost.round_cost(0), 1.05)
-    assert np.isclose(cost.total(2, 3), 2 * 1.05 + 3 * 0.16)
+    assert np.isclose(cost.total(2, 3, 0), 2 * 1.05 + 3 * 0.16)
 
 
 def test_json_round_trip(tmp_path):

@@ -90,3 +90,21 @@ def test_tune_and_eval_cli(tmp_path):
     for f in ("pareto.png", "oracle_sl_hist.png", "calibration.png", "report.md"):
         assert (out / f).stat().st_size > 0
     assert "Oracle" in (out / "report.md").read_text()
+
+
+def test_row_key_for_policy_finds_rows_by_name_and_spec():
+    from specstop.eval.report import row_key_for_policy
+
+    rows = {
+        "target_only": {"spec": None},
+        "dynheur": {"spec": {"kind": "heuristic"}},
+        "static_opt": {"spec": {"kind": "static", "k": 6}},
+        "confidence_0.4": {"spec": {"kind": "confidence", "threshold": 0.4}},
+        "disco_ffn": {"spec": {"kind": "predictor"}},
+    }
+    assert row_key_for_policy(rows, "disco_ffn") == "disco_ffn"
+    assert row_key_for_policy(rows, "static:6") == "static_opt"
+    assert row_key_for_policy(rows, "heuristic") == "dynheur"
+    assert row_key_for_policy(rows, "confidence:0.4") == "confidence_0.4"
+    assert row_key_for_policy(rows, "static:3") is None
+    assert row_key_for_policy(rows, "specdecpp_resnet") is None

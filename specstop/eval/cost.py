@@ -83,10 +83,9 @@ class CostModel:
         """Marginal cost of one more drafted token in a round."""
         return self.draft_step + self.predictor_per_step + self.verify_per_token
 
-    def total(self, rounds, drafted, target_only=0):
-        """Total seconds for ``rounds`` target passes, ``target_only`` of which drafted nothing, and
-        ``drafted`` draft tokens (arrays ok). Callers that do not count target-only steps (the
-        threshold tuner's curves; at most one per response, its last token) price them as rounds."""
+    def total(self, rounds, drafted, target_only):
+        """Total seconds for ``rounds`` target passes, ``target_only`` of which drafted nothing
+        (priced at ``single_step``), and ``drafted`` draft tokens (arrays ok)."""
         rounds = np.asarray(rounds, dtype=np.float64)
         single = np.asarray(target_only, dtype=np.float64)
         return (
@@ -95,7 +94,7 @@ class CostModel:
             + np.asarray(drafted, dtype=np.float64) * self.per_drafted
         )
 
-    def latency_per_token(self, rounds, drafted, n_tokens, target_only=0):
+    def latency_per_token(self, rounds, drafted, n_tokens, target_only):
         """Seconds per emitted token (arrays broadcast)."""
         return self.total(rounds, drafted, target_only) / np.maximum(np.asarray(n_tokens, dtype=np.float64), 1.0)
 

@@ -303,3 +303,24 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         return o.tolist()
     return str(o)
+
+
+def row_key_for_policy(rows: dict, policy: str) -> str | None:
+    """The key of the report row that replays ``policy``, or None.
+
+    Args:
+        rows: ``report.json["rows"]``.
+        policy: a tuned policy's name (an export's ``config.json["name"]``, e.g. ``disco_ffn``),
+            ``static:K``, ``heuristic`` or ``confidence:T``.
+    """
+    if policy in rows:
+        return policy
+    kind, _, arg = policy.partition(":")
+    if kind == "static":
+        for key, row in rows.items():
+            spec = row.get("spec") or {}
+            if spec.get("kind") == "static" and str(spec.get("k")) == arg:
+                return key
+    key = {"heuristic": "dynheur", "confidence": f"confidence_{arg}"}.get(kind)
+    return key if key in rows else None
+

@@ -29,7 +29,7 @@ PARETO_POINTS = 400
 
 def curve_latency(curve: Curve, cost: CostModel) -> np.ndarray:
     """[M+1] latency per token on each interval of the step function."""
-    return cost.latency_per_token(curve.rounds, curve.drafted, curve.n)
+    return cost.latency_per_token(curve.rounds, curve.drafted, curve.n, curve.target_only)
 
 
 def pareto_points(curve: Curve, max_points: int = PARETO_POINTS) -> dict:
