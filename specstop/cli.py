@@ -15,6 +15,7 @@ import os
 import sys
 
 from specstop import __version__
+from specstop.cli_flags import DefaultsHelpFormatter
 
 # name -> (module, one-line help, owns_its_parser)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if raw:
             return int(module.main(rest) or 0)
-        sub = argparse.ArgumentParser(prog=f"specstop {name}", description=help_)
+        sub = argparse.ArgumentParser(
+            prog=f"specstop {name}", description=help_, formatter_class=DefaultsHelpFormatter
+        )
         module.add_arguments(sub)
         args = sub.parse_args(rest)
         return int(module.run(args) or 0)

@@ -191,9 +191,11 @@ def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
         root = run_dir / "train" / fam.name
 
         def _train(fam=fam, root=root) -> dict:
-            argv = ["train", "--config", fam.config, "--data.data_dir", str(data_dir),
-                    "--trainer.default_root_dir", str(root), *fam.args]
-            _cli(argv)
+            from specstop.train.launch import run_train
+
+            # Multi-device runs train in a child process: Lightning relaunches the command per rank.
+            run_train(["--config", fam.config, "--data.data_dir", str(data_dir),
+                       "--trainer.default_root_dir", str(root), *fam.args])
             ckpt, metrics = _find_best_checkpoint(root)
             return {"checkpoint": ckpt, "metrics": metrics.get("metrics", metrics)}
 

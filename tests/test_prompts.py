@@ -220,3 +220,64 @@ def test_render_prompt_errors():
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat_template: false"):
         render_prompt("hi", tok, chat_template=True)
+
+
+# ---- shipped prompt sets ---------------------------------------------------------------------
+
+
+def _config_prompt_sections(path):
+    """Every ``prompts`` mapping of a data or pipeline config."""
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    sections = [doc.get("prompts")]
+    for key in ("data", "test_data"):
+        if isinstance(doc.get(key), dict):
+            sections.append(doc[key].get("prompts"))
+    return [s for s in sections if s]
+
+
+def test_every_shipped_config_resolves_its_prompts_inside_the_package():
+    from pathlib import Path
+
+    from specstop.prompts import load_records
+
+    root = Path(__file__).resolve().parents[1]
+    configs = sorted((root / "configs").rglob("*.yaml"))
+    checked = 0
+    for path in configs:
+        for section in _config_prompt_sections(path):
+            source = section["source"]
+            assert ".." not in source and not Path(source).is_absolute(), f"{path}: {source} leaves the repository"
+            records = load_records(PromptSetConfig(source=source, template=section.get("template", "field:prompt")))
+            assert records, f"{path}: {source} holds no records"
+            checked += 1
+    assert checked >= 10  # every data and pipeline recipe names a prompt set
+
+
+def test_builtin_sets_match_their_declared_sizes_and_render():
+    from specstop.prompts import BUILTINS, load_records
+
+    for name, template, needle in (("mbpp", "mbpp", '"""'), ("alpaca", "alpaca", "### Instruction:\n"),
+                                   ("cnn_dailymail", "cnn_dm", "Summarize:\n")):  # fmt: skip
+        assert len(load_records(PromptSetConfig(source=f"builtin:{name}"))) == BUILTINS[name].records
+        recs = load_prompt_set(PromptSetConfig(source=f"builtin:{name}", template=template, limit=5))
+        assert len(recs) == 15 and all(needle in r.text for r in recs)
+
+
+def test_builtin_sets_equal_the_shared_originals(shared_dataset):
+    """The shipped files hold the same records as ../shared/datasets (so recipes' splits are unchanged)."""
+    sizes = {"train": 50, "validation": 5, "test": 5}
+    for name, field_name in (("mbpp", "text"), ("alpaca", "instruction"), ("cnn_dailymail", "article")):
+        def split(source, field_name=field_name):
+            cfg = PromptSetConfig(source=source, template=f"field:{field_name}", split_sizes=sizes)
+            return [(r.prompt_id, r.text, r.split, r.meta) for r in load_prompt_set(cfg)]
+
+        assert split(f"builtin:{name}") == split(str(shared_dataset(f"{name}.jsonl")))
+
+
+def test_unknown_builtin_and_missing_shared_path_name_the_fix():
+    with pytest.raises(ValueError, match="builtin:mbpp"):
+        load_prompt_set(PromptSetConfig(source="builtin:nope"))
+    with pytest.raises(FileNotFoundError, match="builtin:mbpp"):
+        load_prompt_set(PromptSetConfig(source="/nowhere/shared/datasets/mbpp.jsonl"))

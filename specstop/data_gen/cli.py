@@ -4,9 +4,12 @@ Examples::
 
     specstop generate --config configs/data/mbpp_greedy.yaml
     specstop generate --pair qwen2.5-coder-0.5b-1.5b --prompts my.jsonl --prompt-field question \\
-        --max-new-tokens 128 --out data/mine
-    torchrun --nproc-per-node 8 -m specstop.cli generate --config ...   # one worker per GPU
-    specstop generate --config ... --merge                               # manifest from all workers
+        --max-new-tokens 128 --data data/mine
+    torchrun --nproc-per-node 8 -m specstop.cli generate --config ...   # one worker per GPU (cuda:$LOCAL_RANK)
+    specstop generate --config ... --merge       # only needed when workers ran on separate filesystems
+
+Workers share nothing but the output folder: the last worker to finish writes the manifest and
+the dataset card (``--merge`` does the same by hand).
 
 Flags override the YAML config; a run resumes from finished shards when repeated.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from specstop.cli_flags import add_deprecated_alias
 from specstop.data_gen.config import DataGenConfig, load_config, set_path
 
 log = logging.getLogger(__name__)
@@ -81,14 +85,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, help="0 disables")
+    g.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens (0 disables)")
     g.add_argument("--top-p", type=float, help="1.0 disables")
     g.add_argument("--batch-size", type=int, help="prompts per batch")
     g.add_argument("--seed", type=int, help="seed of sampling, draft samples, verified outcomes and mixing")
     g.add_argument("--max-prompt-tokens", type=int, help="default: context window minus max-new-tokens")
     g.add_argument("--prompt-overflow", choices=["truncate", "skip"], help="longer prompts: cut from the left or skip")
     g = parser.add_argument_group("labels")
-    g.add_argument("--topk", type=int, help="top-k feature size (default 10)")
+    g.add_argument("--feature-topk", dest="topk", type=int,
+                   help="features: how many top draft probabilities each row stores (config default 10)")
+    add_deprecated_alias(g, "--topk", "--feature-topk", "topk", type=int)
     g.add_argument("--hidden-states", action=argparse.BooleanOptionalAction, default=None,
                    help="store the draft's final hidden states (float16)")
     g.add_argument("--rollouts-on", type=_splits, help="comma-separated splits with rollouts ('none' for none)")
@@ -98,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mixing-draws", type=int, help="mixed sequences per response (default 1)")
     g.add_argument("--mixing-rate", type=float, help="probability of keeping the target token (default 0.15)")
     g = parser.add_argument_group("output and workers")
-    g.add_argument("--out", help="dataset folder")
+    g.add_argument("--data", dest="out", metavar="DIR", help="dataset folder to write (the --data of train/tune/eval)")
+    add_deprecated_alias(g, "--out", "--data", "out")
     g.add_argument("--prompts-per-shard", type=int)
     g.add_argument("--num-shards", type=int, help="number of workers (default: $WORLD_SIZE or 1)")
     g.add_argument("--shard-index", type=int, help="this worker (default: $RANK or 0)")
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     if not cfg.out:
-        raise ValueError("no output folder: pass --out DIR (or set out: in the config)")
+        raise ValueError("no output folder: pass --data DIR (or set out: in the config)")
     records = load_records(cfg)
     if not records:
         raise ValueError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
@@ -148,10 +155,11 @@ def run(args: argparse.Namespace) -> int:
         print(path)
         return 0
     num_shards, shard_index = worker_from_env(cfg.num_shards, cfg.shard_index)
+    from specstop.distributed import rank_local_device
     from specstop.pair import load_named_pair
 
     pair = load_named_pair(
-        cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device,
+        cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
         target_device_map=cfg.target_device_map,
     )
     result = generate_dataset(

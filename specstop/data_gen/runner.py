@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specstop.data_gen import storage
+from specstop.data_gen.card import write_dataset_card
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
@@ -93,7 +94,7 @@ def _shard_status(out_dir: Path, plan: ShardPlan, fingerprint: str) -> str:
     if meta.get("fingerprint") != fingerprint:
         raise ValueError(
             f"{path} was written with other label settings (fingerprint {meta.get('fingerprint')} != {fingerprint}); "
-            "a dataset must not mix settings: use a new --out, or delete that folder to start over"
+            "a dataset must not mix settings: use a new --data folder, or delete that folder to start over"
         )
     return "done" if meta.get("prompt_ids") == plan.prompt_ids else "stale"
 
@@ -105,7 +106,7 @@ def check_no_foreign_shards(out_dir: Path, plan: Sequence[ShardPlan]) -> None:
         raise ValueError(
             f"{out_dir} holds shards that this prompt set does not produce: {', '.join(foreign[:5])}"
             f"{' ...' if len(foreign) > 5 else ''} (from a run with another prompt set, --limit or "
-            "prompts_per_shard?); use a new --out, or delete them"
+            "prompts_per_shard?); use a new --data folder, or delete them"
         )
 
 
@@ -292,5 +293,6 @@ def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[Shard
     }
     path = out / storage.MANIFEST
     atomic_write_json(path, manifest)
+    write_dataset_card(out, manifest)  # README.md with configs: `datasets.load_dataset(out)` opens it
     log.info("wrote %s (%s)", path, ", ".join(f"{s}: {v['prompts']} prompts, {v['tokens']} tokens" for s, v in splits.items()))
     return path

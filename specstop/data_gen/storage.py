@@ -268,3 +268,32 @@ def load_arrays(
         else:
             out[c] = col.to_numpy(zero_copy_only=False)
     return out
+
+
+def load_column_chunks(out_dir: str | Path, table: str, split: str | None, column: str) -> list[np.ndarray]:
+    """A fixed-size-list column as ``[n_i, width]`` arrays, one per Arrow chunk, without copying.
+
+    ``datasets`` memory-maps the shard files, so the arrays are views of the mapped buffers:
+    processes that read the same dataset share its pages instead of each holding a copy
+    (data-parallel training ranks). The arrays are read-only.
+    """
+    import pyarrow as pa
+
+    tbl = load_table(out_dir, table, split).data.table
+    if column not in tbl.column_names:
+        raise KeyError(f"table {table!r} has no column {column!r} (columns: {tbl.column_names})")
+    col = tbl.column(column)
+    if not pa.types.is_fixed_size_list(col.type):
+        raise ValueError(f"column {column!r} of {table!r} is {col.type}, not a fixed-size list")
+    width = col.type.list_size
+    out = []
+    for chunk in col.chunks:
+        if len(chunk) == 0:
+            continue
+        flat = chunk.flatten()  # respects the chunk's offset; zero-copy without nulls
+        try:
+            values = flat.to_numpy(zero_copy_only=True)
+        except pa.ArrowInvalid:  # nulls or an unsupported type: fall back to a copy of this chunk
+            values = flat.to_numpy(zero_copy_only=False)
+        out.append(values.reshape(-1, width))
+    return out

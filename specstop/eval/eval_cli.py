@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--cost-model", default=None, help="preset or cost.json (default: the tuned file's)")
     p.add_argument(
-        "--checkpoint", action="append", default=[], metavar="NAME=PATH", help="override a checkpoint path"
+        "--checkpoint", action="append", default=[], metavar="[NAME=]PATH", help="override a tuned checkpoint path, repeatable (NAME defaults to the file name)"
     )
     p.add_argument("--mc-repeats", type=int, default=20, help="Monte-Carlo repeats for sampled data")
 

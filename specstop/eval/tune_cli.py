@@ -33,13 +33,13 @@ TUNED_SCHEMA_VERSION = 1
 
 def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="dataset folder (specstop generate output)")
-    p.add_argument("--split", default="validation", help="split to tune on (default: validation)")
+    p.add_argument("--split", default="validation", help="split to tune on")
     p.add_argument(
         "--checkpoint",
         action="append",
         default=[],
-        metavar="NAME=PATH",
-        help="predictor checkpoint (repeatable)",
+        metavar="[NAME=]PATH",
+        help="predictor checkpoint, repeatable (NAME defaults to the file name)",
     )
     p.add_argument(
         "--cost-model", default="llama2-7b-70b", help=f"preset ({', '.join(PRESETS)}) or cost.json"

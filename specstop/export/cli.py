@@ -1,22 +1,48 @@
-"""``specstop export``: package a trained, tuned stopping policy for decoders."""
+"""``specstop export``: package a trained, tuned stopping policy for decoders and serving engines.
+
+    specstop export --tuned tuned.json --out export/                       # the predictor package
+    specstop export --tuned tuned.json --out engines/ --for llamacpp,vllm  # engine settings files
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from specstop.cli_flags import add_deprecated_alias, split_checkpoint_arg
+
+
+def _engines(text: str) -> list[str]:
+    from specstop.export.engines import ENGINES
+
+    names = list(ENGINES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown engine(s) {bad}; choose from {', '.join(ENGINES)} or all")
+    return names
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tuned", required=True, help="tuned-policy file written by `specstop tune` (tuned.json)")
     parser.add_argument(
-        "--checkpoint",
-        help="the predictor's Lightning checkpoint (default: the tuned file's 'checkpoints' entry for the policy)",
+        "--checkpoint", metavar="[NAME=]PATH",
+        help="the predictor's checkpoint (default: the tuned file's 'checkpoints' entry for the policy)",
     )
     parser.add_argument("--policy", help="which tuned policy to export (default: the tuned file's 'best')")
-    parser.add_argument("--out", required=True, help="export folder to write (config.json, model.safetensors, README.md)")
+    parser.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, README.md, "
+                        "custom_generate/; with --for also <engine>.json)")
     parser.add_argument(
-        "--dataset", help="dataset folder whose manifest.json names the pair (default: from the checkpoint / tuned file)"
+        "--data", dest="dataset", metavar="DIR",
+        help="dataset folder whose manifest.json names the pair (default: from the checkpoint / tuned file)",
     )
+    add_deprecated_alias(parser, "--dataset", "--data", "dataset")
+    parser.add_argument(
+        "--for", dest="engines", type=_engines, default=None, metavar="ENGINES",
+        help="also write the tuned settings for these engines: comma list of hf, vllm, llamacpp, sglang, or all "
+             "(hf also gets the custom_generate export of the learned predictor)",
+    )
+    parser.add_argument("--draft-name", help="draft model (path, hub id or GGUF file) to write into engine commands")
+    parser.add_argument("--target-name", help="target model to write into engine commands")
     parser.add_argument(
         "--allow-missing-pair",
         action="store_true",
@@ -24,14 +50,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _learned_policy(tuned_path: str, policy: str | None) -> str | None:
+    """--policy, else the tuned learned predictor with the lowest validation latency, else None (tuned best)."""
+    if policy:
+        return policy
+    from specstop.export.export import read_tuned
+
+    pols = read_tuned(tuned_path)["policies"]
+    learned = [n for n, e in pols.items() if e["spec"]["kind"] == "predictor"]
+    if not learned:
+        return None
+    return min(learned, key=lambda n: (pols[n].get("validation") or {}).get("latency_per_token", float("inf")))
+
+
 def run(args: argparse.Namespace) -> int:
     from specstop.export.export import export_from_files
 
+    checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
+    engines = args.engines or []
+    if engines:
+        from specstop.export.engines import summary_line, write_engine_settings
+
+        paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name)
+        for path in paths.values():
+            print(summary_line(json.loads(path.read_text())))
+            print(f"  wrote {path}")
+        if "hf" not in engines:
+            return 0
+    policy = _learned_policy(args.tuned, args.policy) if engines else args.policy
     config = export_from_files(
         args.out,
         tuned=args.tuned,
-        checkpoint=args.checkpoint,
-        policy=args.policy,
+        checkpoint=checkpoint,
+        policy=policy,
         dataset=args.dataset,
         allow_missing_pair=args.allow_missing_pair,
     )
@@ -39,4 +90,5 @@ def run(args: argparse.Namespace) -> int:
     if check:
         print(f"export check: max abs diff {check['max_abs_diff']:.3g} on {check['batch']} inputs (limit 1e-6)")
     print(f"exported {config['name']} ({json.dumps(config['policy']['kind'])}) to {args.out}")
+    print(f"  HF: target.generate(..., assistant_model=draft, custom_generate={args.out!r}, trust_remote_code=True)")
     return 0

@@ -1,12 +1,14 @@
 """Package a trained, tuned stopping policy as a self-describing folder decoders load.
 
-``DIR/config.json`` (schema below), ``DIR/model.safetensors`` (learned policies only) and
-``DIR/README.md`` (model card). The export checks itself: it reloads DIR through the runtime and
+``DIR/config.json`` (schema below), ``DIR/model.safetensors`` (learned policies only),
+``DIR/README.md`` (model card with Hub metadata as YAML front matter) and
+``DIR/custom_generate/generate.py`` (transformers' ``generate(custom_generate=DIR)`` entry point), so
+the folder is a Hub model repository (``StoppingPolicy.push_to_hub`` uploads it). The export checks itself: it reloads DIR through the runtime and
 compares the predictor's outputs with the checkpoint's on a batch of features.
 
 config.json (schema version 1)::
 
-    format, schema_version, specstop_version, created, name
+    format, model_type, schema_version, specstop_version, created, name
     policy:     PolicySpec dict (kind, threshold, sl_max, rule, family, reads, ...)
     predictor:  {family, config, label, num_parameters, weights, dtype} | null
     features:   FeatureSpec dict (kind, k, use_position, position_scale, hidden_size, hidden_layer) | null
@@ -29,13 +31,17 @@ from typing import Any
 import torch
 
 from specstop import __version__
+from specstop.export.hub import MODEL_TYPE, front_matter, write_custom_generate
 from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
 from specstop.models import StoppingPredictor, build_predictor
 from specstop.policy import PolicySpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportError", "export_policy", "load_checkpoint", "read_tuned", "validate_export"]
+__all__ = [
+    "ExportError", "export_config", "export_policy", "load_checkpoint", "read_tuned", "validate_export",
+    "write_export_folder",
+]
 
 MAX_EXPORT_DIFF = 1e-6
 
@@ -192,10 +198,29 @@ def export_policy(
             "no draft/target identities found in the checkpoint or the tuned file's dataset manifest; "
             "pass --dataset DIR (the dataset the predictor was trained on) so the export records its pair"
         )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    config = export_config(
+        spec, predictor, name=name, pair=pair, decoding=decoding, cost_model=cost_model, validation=validation,
+        label=label, source=source,
+    )
+    return write_export_folder(out, config, predictor)
+
+
+def export_config(
+    spec: PolicySpec,
+    predictor: StoppingPredictor | None = None,
+    *,
+    name: str | None = None,
+    pair: dict | None = None,
+    decoding: dict | None = None,
+    cost_model: dict | None = None,
+    validation: dict | None = None,
+    label: str | None = None,
+    source: dict | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` of an export (schema in the module docstring)."""
     config: dict[str, Any] = {
         "format": EXPORT_FORMAT,
+        "model_type": MODEL_TYPE,
         "schema_version": SCHEMA_VERSION,
         "specstop_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -210,13 +235,7 @@ def export_policy(
         "source": source or {},
         "export_check": None,
     }
-    weights = out / WEIGHTS_NAME
     if predictor is not None:
-        from safetensors.torch import save_file
-
-        predictor = predictor.float().eval()
-        state = {k: v.detach().cpu().contiguous() for k, v in predictor.state_dict().items()}
-        save_file(state, str(weights), metadata={"format": "pt", "family": predictor.family})
         config["predictor"] = {
             "family": predictor.family,
             "config": predictor.config_dict(),
@@ -226,6 +245,34 @@ def export_policy(
             "dtype": "float32",
         }
         config["features"] = predictor.feature_spec.to_dict()
+    return config
+
+
+def write_export_folder(
+    out: str | Path, config: dict, predictor: StoppingPredictor | None = None, *, location: str | None = None
+) -> dict:
+    """Write ``config.json``, ``model.safetensors``, the model card and ``custom_generate/``; validate.
+
+    Args:
+        out: the folder (created; existing export files in it are overwritten).
+        config: the export config (:func:`export_config`, or a loaded export's).
+        predictor: the learned predictor, None for rule-only policies.
+        location: where ``custom_generate/generate.py`` finds this policy (default: ``out``'s absolute
+            path; ``push_to_hub`` writes the repo id).
+
+    Returns:
+        The written config (with ``export_check`` filled for learned policies).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**config, "model_type": MODEL_TYPE}
+    weights = out / WEIGHTS_NAME
+    if predictor is not None:
+        from safetensors.torch import save_file
+
+        predictor = predictor.float().eval()
+        state = {k: v.detach().cpu().contiguous() for k, v in predictor.state_dict().items()}
+        save_file(state, str(weights), metadata={"format": "pt", "family": predictor.family})
     elif weights.exists():
         weights.unlink()  # a stale predictor from an earlier export must not sit next to a rule-only config
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
@@ -235,7 +282,8 @@ def export_policy(
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     else:
         StoppingPolicy.from_pretrained(out)  # the config must at least load
-    (out / "README.md").write_text(model_card(config))
+    write_custom_generate(out, location or str(out.resolve()))
+    (out / "README.md").write_text(front_matter(config) + model_card(config))
     return config
 
 
@@ -321,16 +369,25 @@ def model_card(config: dict) -> str:
         "",
         "## Use",
         "",
+        "With transformers (assisted generation; the policy decides each round's draft length):",
+        "",
+        "```python",
+        "out = target.generate(**inputs, assistant_model=draft, custom_generate=REPO_OR_DIR,",
+        "                      trust_remote_code=True, max_new_tokens=128)",
+        "```",
+        "",
+        "In your own decoding loop:",
+        "",
         "```python",
         "from specstop.export.runtime import StoppingPolicy",
-        "policy = StoppingPolicy.from_pretrained(DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
+        "policy = StoppingPolicy.from_pretrained(REPO_OR_DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
         "policy.reset()                     # each round",
         "stop = policy.should_stop(draft_logits, draft_hidden_prev, position)",
         "policy.end_round(num_drafted, num_accepted)",
         "```",
         "",
-        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`, or",
-        "`specstop.export.hf_assist.assisted_generate(target, draft, policy, input_ids)`.",
+        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`. `specstop export --for hf|vllm|llamacpp|sglang`",
+        "writes the tuned settings other engines accept.",
         "",
         "The runtime imports only torch and safetensors. It refuses a different draft model or tokenizer",
         "(override: `allow_draft_mismatch=True`) and unknown schema versions. Decoding with this policy is",

@@ -1,5 +1,14 @@
 """Drive Hugging Face assisted generation (``target.generate(assistant_model=draft)``) with a StoppingPolicy.
 
+The public entry point is transformers' own ``custom_generate``: every export folder (and Hub repo)
+holds ``custom_generate/generate.py``, so::
+
+    target.generate(**inputs, assistant_model=draft, custom_generate=EXPORT_DIR_OR_REPO,
+                    trust_remote_code=True, max_new_tokens=128)
+
+runs :func:`generate_with_policy` with that export's policy. :func:`use_policy` and
+:func:`assisted_generate` remain for callers that hold a :class:`StoppingPolicy` object.
+
 Stopping criteria passed to ``generate()`` reach only the target loop, and the stock
 ``AssistedCandidateGenerator`` drafts through ``assistant.generate``, which exposes neither the
 per-step hidden state nor a per-step hook. So :class:`PolicyCandidateGenerator` subclasses
@@ -35,7 +44,10 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 from specstop.export.runtime import StoppingPolicy
 from specstop.probs import DecodingConfig, logits_to_probs
 
-__all__ = ["PolicyCandidateGenerator", "assisted_generate", "decoding_from_generation_config", "use_policy"]
+__all__ = [
+    "PolicyCandidateGenerator", "assisted_generate", "decoding_from_generation_config", "generate_with_policy",
+    "use_policy",
+]
 
 
 def decoding_from_generation_config(generation_config) -> DecodingConfig:
@@ -199,3 +211,41 @@ def assisted_generate(target, draft, policy: StoppingPolicy, input_ids: torch.Te
     the draft lengths. Returns what ``generate`` returns."""
     with use_policy(target, policy, vocab_size=vocab_size):
         return target.generate(input_ids, assistant_model=draft, **generate_kwargs)
+
+
+def generate_with_policy(model, *args, policy, assistant_model=None, vocab_size: int | None = None,
+                         allow_draft_mismatch: bool = False, **generate_kwargs):
+    """The body of an export's ``custom_generate/generate.py``: assisted generation driven by ``policy``.
+
+    Args:
+        model: the target model (transformers passes it as ``model``).
+        policy: a :class:`StoppingPolicy`, an export folder or a hub id.
+        assistant_model: the draft model the policy was trained for (required).
+        vocab_size: the shared tokenizer vocabulary (default: the one the export records).
+        allow_draft_mismatch: load a policy recorded for another draft (its decisions are then
+            meaningless; see ``StoppingPolicy.from_pretrained``).
+        generate_kwargs: everything else ``generate`` was called with.
+
+    Returns:
+        What ``model.generate`` returns.
+    """
+    if assistant_model is None:
+        raise ValueError(
+            "a specstop stopping policy drives assisted generation: pass the draft model it was trained for as "
+            "assistant_model=... together with custom_generate=..."
+        )
+    if not isinstance(policy, StoppingPolicy):
+        policy = StoppingPolicy.from_pretrained(
+            policy, draft_identity=_structural_identity(assistant_model),
+            allow_draft_mismatch=allow_draft_mismatch, device=assistant_model.device,
+        )
+    with use_policy(model, policy, vocab_size=vocab_size or policy.vocab_size):
+        return model.generate(*args, assistant_model=assistant_model, **generate_kwargs)
+
+
+def _structural_identity(model) -> dict:
+    """The draft's architecture and size (not its name: a hub id and a local copy are the same model)."""
+    from specstop.pair.loader import model_identity
+
+    ident = model_identity(model, "").to_dict()
+    return {k: ident[k] for k in ("architecture", "hidden_size", "num_hidden_layers", "num_parameters")}

@@ -5,8 +5,11 @@ generation hook, or your own loop) ask one object "stop drafting now?" after eac
 Static, heuristic, confidence and learned predictors all answer through the same calls, so a
 decoder switches policy by configuration.
 
-Imports: only torch, safetensors, the standard library and ``specstop.models`` / ``specstop.policy``
-/ ``specstop.probs`` (no Lightning, no datasets; ``tests/test_export_runtime.py`` checks this).
+Imports: only torch, safetensors, huggingface_hub, the standard library and ``specstop.models`` /
+``specstop.policy`` / ``specstop.probs`` (no Lightning, datasets or transformers;
+``tests/test_export_runtime.py`` checks this). :class:`StoppingPolicy` is a huggingface_hub
+``ModelHubMixin``: ``from_pretrained`` takes an export folder or a hub id, ``save_pretrained`` /
+``push_to_hub`` write and upload the same folder layout ``specstop export`` writes.
 
 Per round (batch size 1)::
 
@@ -34,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import ModelHubMixin
 
+from specstop.export.hub import LIBRARY_NAME, resolve_folder
 from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures, make_round_policy, parse_policy_string
 from specstop.probs import DecodingConfig, logits_to_probs
@@ -104,7 +109,11 @@ def _same_name(a: str, b: str) -> bool:
     return a == b or Path(a).name == Path(b).name
 
 
-class StoppingPolicy:
+class StoppingPolicy(
+    ModelHubMixin,
+    library_name=LIBRARY_NAME,
+    tags=["speculative-decoding", "stopping-policy"],
+):
     """A stopping rule plus (for learned policies) the predictor that scores draft steps.
 
     Build with :meth:`from_pretrained` (an export folder), :meth:`from_spec` (a
@@ -184,11 +193,18 @@ class StoppingPolicy:
         tokenizer_hash: str | None = None,
         allow_draft_mismatch: bool = False,
         device: str | torch.device = "cpu",
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | Path | None = None,
+        local_files_only: bool = False,
+        force_download: bool = False,
     ) -> StoppingPolicy:
-        """Load an export folder written by ``specstop export``.
+        """Load an export folder written by ``specstop export`` (or pushed to the Hub).
 
         Args:
-            path: the folder holding ``config.json`` (and ``model.safetensors`` for learned policies).
+            path: the folder holding ``config.json`` (and ``model.safetensors`` for learned policies),
+                or a hub id (``owner/name``; downloaded into the HF cache with ``revision``,
+                ``token``, ``cache_dir``, ``local_files_only``, ``force_download``).
             draft_identity: the draft you will run: its name/path, a ``ModelIdentity`` (or dict), or
                 None to skip the check.
             tokenizer_hash: your tokenizer's fingerprint (``ModelPair.tokenizer_hash``), or None.
@@ -201,7 +217,10 @@ class StoppingPolicy:
             ValueError: unknown schema version or format.
             DraftMismatchError: the export was made for another draft or tokenizer.
         """
-        path = Path(path)
+        path = resolve_folder(
+            path, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+            force_download=force_download,
+        )
         cfg_path = path / CONFIG_NAME
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{path} has no {CONFIG_NAME}: not a specstop export (create one with `specstop export`)")
@@ -240,6 +259,26 @@ class StoppingPolicy:
                     f"{pred_cfg['family']!r} builds ({predictor.feature_spec.to_dict()}); the export is inconsistent"
                 )
         return cls(spec, predictor, config=config, device=device)
+
+    # ------------------------------------------------------------------ hub (save / push)
+    def _save_pretrained(self, save_directory: Path) -> None:
+        """Write this policy as an export folder (the layout ``specstop export`` writes)."""
+        from specstop.export.export import export_config, write_export_folder
+
+        config = self.config or export_config(self.spec, self.predictor, name=self.spec.label)
+        write_export_folder(save_directory, config, self.predictor, location=getattr(self, "_push_repo_id", None))
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload the export folder to ``repo_id`` (``huggingface_hub.ModelHubMixin.push_to_hub``).
+
+        The uploaded ``custom_generate/generate.py`` points at ``repo_id``, so
+        ``generate(custom_generate=repo_id, trust_remote_code=True)`` finds the policy.
+        """
+        self._push_repo_id = repo_id
+        try:
+            return super().push_to_hub(repo_id, **kwargs)
+        finally:
+            del self._push_repo_id
 
     # ------------------------------------------------------------------ configuration
     def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:

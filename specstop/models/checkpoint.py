@@ -22,13 +22,51 @@ from specstop.models.registry import build_predictor
 PREFIX = "predictor."
 
 
+ZERO_SUFFIX = ".fp32.ckpt"
+
+
+def consolidated_path(folder: str | Path) -> Path:
+    """Where the single-file form of a DeepSpeed checkpoint folder is written (next to it)."""
+    folder = Path(folder)
+    return folder.with_name(folder.name.removesuffix(".ckpt") + ZERO_SUFFIX)
+
+
+def convert_zero_checkpoint(folder: str | Path) -> Path:
+    """Consolidate a DeepSpeed (ZeRO) checkpoint folder into one fp32 checkpoint file, once.
+
+    Uses Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` (it needs ``deepspeed``),
+    which keeps the hyper-parameters and specstop metadata beside the gathered weights, so
+    :func:`load_predictor` (and tune, eval, export) read the result like any checkpoint.
+
+    Returns:
+        The consolidated file (``<name>.fp32.ckpt`` next to the folder); reused when it exists.
+    """
+    folder = Path(folder)
+    out = consolidated_path(folder)
+    if out.is_file() and out.stat().st_mtime >= folder.stat().st_mtime:
+        return out
+    try:
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+    except ImportError as err:  # pragma: no cover - lightning is a dependency
+        raise ValueError(f"{folder} is a DeepSpeed checkpoint folder; converting it needs lightning ({err})") from None
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(tmp))
+    except ImportError as err:
+        raise ValueError(
+            f"{folder} is a DeepSpeed checkpoint folder and converting it needs deepspeed ({err}); "
+            "pip install 'specstop[distributed]'"
+        ) from None
+    tmp.replace(out)
+    return out
+
+
 def _read(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(
-            f"{path} is a folder (a DeepSpeed checkpoint?); convert it to one file first with "
-            "lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
-        )
+        if not (path / "checkpoint").is_dir() and not consolidated_path(path).is_file():
+            raise IsADirectoryError(f"{path} is a folder, not a checkpoint file or a DeepSpeed checkpoint folder")
+        path = convert_zero_checkpoint(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
     try:
@@ -46,7 +84,8 @@ def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -
     """Rebuild a trained predictor from a checkpoint.
 
     Args:
-        path: a ``.ckpt`` written by ``specstop train`` (or :func:`save_predictor_checkpoint`).
+        path: a ``.ckpt`` written by ``specstop train`` (or :func:`save_predictor_checkpoint`), or a
+            DeepSpeed checkpoint folder (consolidated once into ``<name>.fp32.ckpt`` beside it).
         map_location: device for the weights.
 
     Returns:

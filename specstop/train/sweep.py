@@ -20,6 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from specstop.cli_flags import add_deprecated_alias
+
 log = logging.getLogger("specstop.sweep")
 
 
@@ -36,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--w-rej", default="1,3,6,12", help="comma list of reject weights (SpecDec++: 1,3,6,12)")
     parser.add_argument("--depth", default="", help="comma list of ResNet depths D (specdecpp_resnet only)")
     parser.add_argument("--lr", default="", help="comma list of learning rates (default: the config's)")
-    parser.add_argument("--data-dir", default=None, help="override data.init_args.data_dir")
+    parser.add_argument("--data", dest="data_dir", default=None, metavar="DIR", help="dataset folder (overrides data.init_args.data_dir)")
+    add_deprecated_alias(parser, "--data-dir", "--data", "data_dir")
     parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
     parser.add_argument("--out", required=True, help="output folder (runs + sweep.md + sweep.json)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the logistic-regression/static baselines")

@@ -1,0 +1,143 @@
+"""What makes an export folder a Hugging Face Hub repository: model_type, card metadata,
+hub-id resolution and the ``custom_generate/`` entry point transformers loads.
+
+Imports only the standard library and ``huggingface_hub`` (a transformers dependency), so the
+runtime stays free of Lightning, datasets and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+#: ``config.json``'s ``model_type`` (the Hub and AutoConfig-style tools key on it).
+MODEL_TYPE = "specstop_stopping_policy"
+LIBRARY_NAME = "specstop"
+CUSTOM_GENERATE_DIR = "custom_generate"
+#: Files that make up an export (what a hub download fetches).
+EXPORT_PATTERNS = ["config.json", "model.safetensors", "README.md", f"{CUSTOM_GENERATE_DIR}/*"]
+
+_GENERATE_PY = '''"""transformers ``custom_generate`` entry point of a specstop stopping policy (written by specstop export).
+
+    out = target.generate(**inputs, assistant_model=draft, custom_generate=REPO_OR_DIR,
+                          trust_remote_code=True, max_new_tokens=128)
+
+Runs transformers' assisted generation with the draft length of every round decided by the
+stopping policy stored in this repository (config.json, model.safetensors): the predictor scores
+each drafted token and drafting stops when the tuned rule says so. Decoding stays lossless.
+Needs ``pip install specstop``. Pass ``stopping_policy=DIR_OR_REPO_ID`` when this folder was moved
+(the default below is where it was written or pushed).
+"""
+
+POLICY_LOCATION = {location!r}
+
+
+def generate(model, *args, stopping_policy=None, **kwargs):
+    from specstop.export.hf_assist import generate_with_policy
+
+    return generate_with_policy(model, *args, policy=stopping_policy or POLICY_LOCATION, **kwargs)
+'''
+
+_REQUIREMENTS = "# specstop provides the runtime this entry point calls\nspecstop\n"
+
+
+def write_custom_generate(folder: str | Path, location: str) -> Path:
+    """Write ``folder/custom_generate/generate.py`` pointing at ``location`` (a folder or hub id).
+
+    Returns:
+        The path of ``generate.py``.
+    """
+    cg = Path(folder) / CUSTOM_GENERATE_DIR
+    cg.mkdir(parents=True, exist_ok=True)
+    path = cg / "generate.py"
+    path.write_text(_GENERATE_PY.format(location=str(location)))
+    (cg / "requirements.txt").write_text(_REQUIREMENTS)
+    return path
+
+
+def is_local_name(name: str | None) -> bool:
+    """True for a filesystem path (absolute, relative or existing), False for a ``owner/name`` hub id."""
+    if not name:
+        return True
+    return os.path.isabs(name) or name.startswith((".", "~")) or Path(name).exists() or name.count("/") != 1
+
+
+def card_metadata(config: dict) -> dict:
+    """The YAML front matter of an export's README (Hub model-card metadata).
+
+    ``base_model`` names the draft when it is a hub id (the predictor reads that draft's outputs).
+    """
+    from huggingface_hub import ModelCardData
+
+    policy = config.get("policy") or {}
+    pred = config.get("predictor") or {}
+    pair = config.get("pair") or {}
+    draft = (pair.get("draft") or {}).get("name_or_path")
+    target = (pair.get("target") or {}).get("name_or_path")
+    tags = ["specstop", "speculative-decoding", "stopping-policy", f"policy-{policy.get('kind', 'unknown')}"]
+    if pred.get("family"):
+        tags.append(pred["family"].replace("_", "-"))
+    extra = {
+        "model_type": MODEL_TYPE,
+        "specstop": {
+            "policy": {k: policy.get(k) for k in ("kind", "rule", "threshold", "sl_max", "family")},
+            "draft": draft,
+            "target": target,
+            "tokenizer_hash": pair.get("tokenizer_hash"),
+        },
+    }
+    data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        tags=tags,
+        base_model=draft if draft and not is_local_name(draft) else None,
+        **extra,
+    )
+    return data.to_dict()
+
+
+def front_matter(config: dict) -> str:
+    """``---\\n<yaml>\\n---\\n`` for the README."""
+    import yaml
+
+    return "---\n" + yaml.safe_dump(card_metadata(config), sort_keys=False).strip() + "\n---\n\n"
+
+
+def resolve_folder(
+    path_or_repo_id: str | Path,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
+) -> Path:
+    """A local export folder as is, or a hub repository downloaded into the HF cache.
+
+    Raises:
+        FileNotFoundError: neither a folder nor a reachable hub repository (the message says which).
+    """
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_repo_id)
+    if is_local_name(name):
+        raise FileNotFoundError(f"{name} is not a folder (and not an owner/name hub id); give an export folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                name, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+                force_download=force_download, allow_patterns=EXPORT_PATTERNS,
+            )
+        )
+    except Exception as err:  # huggingface_hub raises several types for offline / missing repos
+        raise FileNotFoundError(
+            f"could not fetch the stopping policy {name!r} from the Hub ({type(err).__name__}: {err}); "
+            "offline, download it once with network or pass a local export folder"
+        ) from err
+
+
+def read_config(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
