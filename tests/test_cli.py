@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from specstop.cli import main
 
 
@@ -46,3 +48,53 @@ def test_info_text_and_bf16(tiny_pair_dir, capsys):
 def test_info_bad_pair_is_a_clear_error(tmp_path, capsys):
     assert main(["info", "--pair", "no-such-pair"]) == 2
     assert "unknown pair 'no-such-pair'" in capsys.readouterr().err
+
+
+# ---- one spelling per flag (issue 16) -----------------------------------------------------------
+
+
+def test_generate_help_uses_the_common_spellings(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--data DIR" in text and "--feature-topk" in text and "--top-k" in text
+    assert "--out" not in text and "--topk " not in text  # old spellings are hidden aliases
+    assert "(default: None)" not in text  # config-driven flags show no fake default
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: validation)" in text and "(default: 4,8,12,16,20)" in text
+
+
+def test_old_spellings_still_work_with_a_note(capsys):
+    import argparse
+
+    from specstop.data_gen.cli import add_arguments, build_config
+
+    parser = argparse.ArgumentParser(prog="specstop generate")
+    add_arguments(parser)
+    cfg = build_config(parser.parse_args(["--out", "x", "--topk", "7", "--prompts", "builtin:mbpp"]))
+    assert cfg.out == "x" and cfg.labels.topk_k == 7
+    err = capsys.readouterr().err
+    assert "--out is deprecated; use --data" in err and "--topk is deprecated; use --feature-topk" in err
+
+
+def test_train_accepts_data_dir_shorthand(tmp_path):
+    from specstop.train.cli import with_data_shorthand
+
+    (tmp_path / "manifest.json").write_text("{}")
+    assert with_data_shorthand(["--config", "c.yaml", "--data", str(tmp_path)]) == [
+        "--config", "c.yaml", "--data.data_dir", str(tmp_path)]
+    # a data-module class path is left to LightningCLI
+    assert with_data_shorthand(["--data", "specstop.train.data.PredictorDataModule"])[0] == "--data"
+
+
+def test_checkpoint_is_name_equals_path_or_path():
+    from specstop.cli_flags import split_checkpoint_arg
+
+    assert split_checkpoint_arg("disco=runs/a/best.ckpt") == ("disco", "runs/a/best.ckpt")
+    assert split_checkpoint_arg("runs/a=b/best.ckpt") == (None, "runs/a=b/best.ckpt")
+    assert split_checkpoint_arg("best.ckpt") == (None, "best.ckpt")

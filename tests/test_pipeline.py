@@ -122,6 +122,31 @@ def test_pipeline_runs_reuses_and_resumes(pipeline_config, tmp_path, monkeypatch
     shutil.rmtree(run_dir / "train", ignore_errors=True)
 
 
+def test_pipeline_trains_on_two_devices_without_rerunning_itself(pipeline_config, tmp_path):
+    """A family with --trainer.devices 2 (CPU, gloo) trains in its own process: the pipeline runs once."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    _, cfg = pipeline_config
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    cfg = dict(cfg, run_dir=str(tmp_path / "run"), online_prompts=0, export_policy="best")
+    cfg["families"] = [{"name": "disco_ffn", "config": "configs/train/disco_ffn.yaml",
+                        "args": ["--trainer.max_epochs", "1", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+                                 "--trainer.strategy", "ddp", "--trainer.enable_progress_bar", "false"]}]
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "specstop.cli", "pipeline", "--config", str(path)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "MEMBER: 2/2" in log  # two ranks trained
+    assert log.count("stage data") == 1 and log.count("stage tune") == 1, log[-3000:]  # ... and nothing else twice
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+
+
 def test_pipeline_rejects_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run_dir: x\npair: y\nfamilys: []\n")

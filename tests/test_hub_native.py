@@ -1,0 +1,151 @@
+"""Hub-native artifacts: datasets open with `datasets.load_dataset`, exports round-trip through
+`from_pretrained` / `push_to_hub` / transformers' `generate(custom_generate=...)`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from _data_gen_helpers import make_render, records
+from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
+
+from specstop.data_gen import storage
+from specstop.data_gen.config import DataGenConfig
+from specstop.data_gen.runner import generate_dataset
+from specstop.export.runtime import StoppingPolicy
+from specstop.testing import tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, pair):
+    return random_exports(tmp_path_factory.mktemp("exports"), pair)
+
+
+def test_generated_dataset_opens_with_load_dataset(pair, tmp_path):
+    import datasets
+
+    cfg = DataGenConfig(prompts_per_shard=2)
+    cfg.generation.max_new_tokens = 8
+    cfg.labels.hidden_states = True
+    cfg.labels.rollouts.length = 4
+    cfg.labels.rollouts.splits = ["test"]
+    cfg.labels.mixing.draws = 0
+    out = tmp_path / "ds"
+    generate_dataset(pair, records(7), cfg, out, render=make_render(pair.tokenizer), progress=False)
+
+    card = (out / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    names = [c["config_name"] for c in meta["configs"]]
+    assert "tokens" in names and "rollouts" in names and "mixed" not in names  # no mixing rows: no config
+
+    tokens = datasets.load_dataset(str(out))  # the default config: token rows, one split per split
+    assert set(tokens) == {"train", "validation", "test"}
+    for split in tokens:
+        ref = storage.load_table(out, "tokens", split)
+        assert tokens[split]["prompt_id"] == ref["prompt_id"]
+        assert tokens[split].features == ref.features
+    rollouts = datasets.load_dataset(str(out), "rollouts", split="test")
+    assert len(rollouts) == len(storage.load_table(out, "rollouts", "test")) > 0
+
+
+def test_export_is_a_hub_model_repo(exports):
+    folder = exports["disco"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "specstop_stopping_policy"
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\n")
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "specstop" and "speculative-decoding" in meta["tags"]
+    assert meta["specstop"]["policy"]["kind"] == "predictor"
+    generate_py = (folder / "custom_generate" / "generate.py").read_text()
+    assert repr(str(folder.resolve())) in generate_py
+
+
+def test_from_pretrained_accepts_a_hub_id(exports, monkeypatch):
+    import huggingface_hub
+
+    calls = {}
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls["repo_id"], calls["allow"] = repo_id, kwargs.get("allow_patterns")
+        return str(exports["sdpp"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    policy = StoppingPolicy.from_pretrained("someone/sdpp-policy", revision="main")
+    assert calls["repo_id"] == "someone/sdpp-policy" and "model.safetensors" in calls["allow"]
+    local = StoppingPolicy.from_pretrained(exports["sdpp"])
+    for a, b in zip(policy.predictor.state_dict().values(), local.predictor.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_push_to_hub_uploads_the_export_layout(exports, monkeypatch, tmp_path):
+    from huggingface_hub import hub_mixin
+
+    uploaded = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return type("Url", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            files = {p.relative_to(folder_path).as_posix(): p.read_bytes() for p in folder_path.rglob("*") if p.is_file()}
+            uploaded.update(repo_id=repo_id, files=files)
+            return f"https://hub.invalid/{repo_id}/commit/1"
+
+    monkeypatch.setattr(hub_mixin, "HfApi", FakeApi)
+    policy = StoppingPolicy.from_pretrained(exports["disco"])
+    url = policy.push_to_hub("someone/disco-policy")
+    assert url.endswith("/commit/1") and uploaded["repo_id"] == "someone/disco-policy"
+    files = uploaded["files"]
+    assert {"config.json", "model.safetensors", "README.md", "custom_generate/generate.py"} <= set(files)
+    assert b"'someone/disco-policy'" in files["custom_generate/generate.py"]
+    assert json.loads(files["config.json"])["predictor"] == json.loads((exports["disco"] / "config.json").read_text())["predictor"]
+    # What was uploaded loads back to the same predictor.
+    back = tmp_path / "back"
+    for rel, data in files.items():
+        (back / rel).parent.mkdir(parents=True, exist_ok=True)
+        (back / rel).write_bytes(data)
+    again = StoppingPolicy.from_pretrained(back)
+    for a, b in zip(again.predictor.state_dict().values(), policy.predictor.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["disco", "sdpp"])
+def test_custom_generate_runs_the_learned_policy(name, pair, exports, monkeypatch):
+    from specstop.export import hf_assist
+
+    rounds = []
+    original = hf_assist.PolicyCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kwargs):
+        out = original(self, input_ids, **kwargs)
+        rounds.append(self.last_k)
+        return out
+
+    monkeypatch.setattr(hf_assist.PolicyCandidateGenerator, "get_candidates", spy)
+    for ids in tiny_prompts(pair, ("hello world", "def f(x):")):
+        x = torch.tensor([ids])
+        ref = pair.target.generate(x, max_new_tokens=16, do_sample=False)
+        out = pair.target.generate(
+            x, assistant_model=pair.draft, max_new_tokens=16, do_sample=False,
+            custom_generate=str(exports[name]), trust_remote_code=True,
+        )
+        assert out[0].tolist() == ref[0].tolist()
+    assert rounds, "custom_generate did not draft through the policy"
+    assert "_get_candidate_generator" not in vars(pair.target)
+
+
+def test_custom_generate_needs_the_draft(pair, exports):
+    x = torch.tensor([tiny_prompts(pair, ("hi",))[0]])
+    with pytest.raises(ValueError, match="assistant_model"):
+        pair.target.generate(x, max_new_tokens=4, custom_generate=str(exports["disco"]), trust_remote_code=True)

@@ -1,0 +1,196 @@
+"""Scale-out that runs as documented, checked on CPU with 2 processes (gloo): rank-local devices,
+sharded generation merged by the last worker, DDP training from `specstop train`, DeepSpeed
+checkpoint folders, memory-mapped hidden states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from specstop.cli import main
+from specstop.data_gen import storage
+from specstop.data_gen.schema import TABLES
+from specstop.testing import save_tiny_pair
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+# ---- devices ---------------------------------------------------------------------------------
+
+
+def test_each_rank_gets_its_own_gpu(monkeypatch):
+    from specstop.distributed import rank_local_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert rank_local_device("cuda") == "cuda"  # no launcher: as given
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_local_device("cuda") == "cuda:1" and chosen == [1]
+    assert rank_local_device(None) == "cuda:1"
+    assert rank_local_device("cpu") == "cpu" and rank_local_device("cuda:0") == "cuda:0"
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        rank_local_device("cuda")
+
+
+def test_requested_processes_reads_config_and_flags(tmp_path):
+    from specstop.train.launch import requested_processes
+
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text("trainer:\n  accelerator: cpu\n  devices: 2\n")
+    assert requested_processes(["--config", str(cfg)]) == 2
+    assert requested_processes(["--config", str(cfg), "--trainer.devices", "1"]) == 1
+    assert requested_processes(["--config", str(cfg), "--trainer.devices=[0, 1, 2]", "--trainer.num_nodes", "2"]) == 6
+    assert requested_processes(["--trainer.accelerator", "cpu"]) == 1  # devices auto on CPU: one process
+
+
+# ---- sharded generation ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gen_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    pair_dir = save_tiny_pair(root / "pair", seed=3)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write function number {i} in Python."}) + "\n"
+                               for i in range(9)))
+    conf = {
+        "pair": str(pair_dir), "dtype": "float32", "device": "cpu", "prompts_per_shard": 2,
+        "prompts": {"source": str(prompts), "template": "field:prompt", "id_field": "id", "split_scheme": "random",
+                    "split_sizes": {"train": 5, "validation": 2, "test": 2}},
+        "generation": {"max_new_tokens": 10, "batch_size": 2},
+        "labels": {"hidden_states": True, "rollouts": {"length": 4, "splits": ["test"]}},
+    }
+    path = root / "gen.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    return root, path
+
+
+def test_torchrun_generation_equals_a_single_run(gen_setup):
+    root, cfg = gen_setup
+    single, sharded = root / "single", root / "sharded"
+    assert main(["generate", "--config", str(cfg), "--data", str(single), "--no-progress"]) == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+         "-m", "specstop.cli", "generate", "--config", str(cfg), "--data", str(sharded), "--no-progress"],
+        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # No --merge: the last worker to finish wrote the manifest and the card.
+    assert (sharded / "manifest.json").is_file() and (sharded / "README.md").is_file()
+    a, b = storage.read_manifest(single), storage.read_manifest(sharded)
+    assert a["splits"] == b["splits"]
+    for table in TABLES:
+        ta, tb = storage.load_table(single, table), storage.load_table(sharded, table)
+        assert ta["prompt_id"] == tb["prompt_id"], table
+        for col in ta.column_names:
+            if "float" in str(ta.features[col]):  # labels and features: same math, other batch shapes
+                np.testing.assert_allclose(np.array(ta[col], dtype=np.float64), np.array(tb[col], dtype=np.float64),
+                                           atol=1e-3, err_msg=f"{table}.{col}")
+            else:
+                assert ta[col] == tb[col], f"{table}.{col}"
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+def test_ddp_training_from_specstop_train(synth_dir, tmp_path):
+    """`specstop train --trainer.devices 2` on CPU: Lightning relaunches the command per rank (gloo)."""
+    root = tmp_path / "ddp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specstop.cli", "train", "--config", "configs/train/disco_ffn.yaml",
+         "--data", str(synth_dir), "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+         "--trainer.strategy", "ddp", "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(root),
+         "--data.init_args.batch_size", "256", "--trainer.enable_progress_bar", "false"],
+        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "MEMBER: 2/2" in out  # rank 1 ran in its own process
+    assert "LightningCLI's args parameter" not in out
+    metrics = json.loads(next(root.rglob("metrics.json")).read_text())
+    from specstop.models.checkpoint import load_predictor
+
+    predictor, _ = load_predictor(metrics["best_checkpoint"])
+    assert predictor.family == "disco_ffn"
+
+
+def test_deepspeed_checkpoint_folder_is_converted_once(tmp_path, monkeypatch):
+    """A ZeRO checkpoint folder loads through Lightning's converter into <name>.fp32.ckpt."""
+    import lightning.pytorch.utilities.deepspeed as ds_utils
+
+    from specstop.models import build_predictor
+    from specstop.models.checkpoint import load_predictor, save_predictor_checkpoint
+
+    predictor = build_predictor("disco_ffn", k=10)
+    folder = tmp_path / "best-00.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    calls = []
+
+    def fake_convert(checkpoint_dir, output_file, tag=None):  # what Lightning writes: the client state + weights
+        calls.append(checkpoint_dir)
+        save_predictor_checkpoint(output_file, predictor)
+
+    monkeypatch.setattr(ds_utils, "convert_zero_checkpoint_to_fp32_state_dict", fake_convert)
+    loaded, meta = load_predictor(folder)
+    assert (tmp_path / "best-00.fp32.ckpt").is_file() and meta["family"] == "disco_ffn"
+    for a, b in zip(loaded.state_dict().values(), predictor.state_dict().values()):
+        assert torch.equal(a, b)
+    load_predictor(folder)
+    assert len(calls) == 1  # converted once, then reused
+
+
+def test_deepspeed_folder_without_deepspeed_names_the_install(tmp_path):
+    pytest.importorskip("lightning")
+    try:
+        import deepspeed  # noqa: F401
+
+        pytest.skip("deepspeed is installed")
+    except ImportError:
+        pass
+    from specstop.models.checkpoint import load_predictor
+
+    folder = tmp_path / "best.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    with pytest.raises(ValueError, match="specstop\\[distributed\\]"):
+        load_predictor(folder)
+
+
+# ---- memory-mapped hidden states -------------------------------------------------------------
+
+
+def test_hidden_states_stay_memory_mapped(synth_dir):
+    from specstop.data_gen.storage import load_arrays, load_column_chunks
+    from specstop.models import build_predictor
+    from specstop.train.data import PredictorDataModule
+    from specstop.train.mapped import MappedRows
+
+    chunks = load_column_chunks(synth_dir, "tokens", "train", "hidden")
+    assert chunks and all(not c.flags.owndata and not c.flags.writeable for c in chunks)  # views of the mapped file
+    dm = PredictorDataModule(str(synth_dir), batch_size=32)
+    spec = build_predictor("specdecpp_resnet", hidden_size=dm.hidden_size, depth=1).feature_spec
+    dm.configure(spec, "accept_prob")
+    split = dm.load_split("train")
+    assert isinstance(split.columns["hidden"], MappedRows)
+    dense = load_arrays(synth_dir, split.table, "train", columns=["hidden"])["hidden"]
+    idx = torch.tensor([0, len(dense) - 1, 5, 3])
+    assert torch.equal(split.features(spec, idx), torch.from_numpy(dense[idx.numpy()]).float())
+    assert torch.equal(split.features(spec, None), torch.from_numpy(dense).float())
