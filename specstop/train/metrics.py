@@ -168,6 +168,11 @@ class _MeanOf(Metric):
 def evaluate_logits(logits, target, threshold: float | None = None) -> dict[str, float]:
     """Row metrics of whole arrays at once (numpy or torch): ``[N]`` logits, ``[N]`` labels."""
     m = AcceptanceMetrics(threshold)
+    for metric in m.modules():
+        # The arrays are the whole split already: no cross-rank sync (after DDP training only
+        # rank 0 evaluates, and a sync would wait forever for ranks that have finished).
+        if isinstance(metric, Metric):
+            metric._to_sync = metric.sync_on_compute = False
     logits = torch.as_tensor(np.asarray(logits) if not torch.is_tensor(logits) else logits).float()
     target = torch.as_tensor(np.asarray(target) if not torch.is_tensor(target) else target).float()
     if logits.numel() == 0:
