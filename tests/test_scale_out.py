@@ -199,3 +199,23 @@ def test_hidden_states_stay_memory_mapped(synth_dir):
     idx = torch.tensor([0, len(dense) - 1, 5, 3])
     assert torch.equal(split.features(spec, idx), torch.from_numpy(dense[idx.numpy()]).float())
     assert torch.equal(split.features(spec, None), torch.from_numpy(dense).float())
+
+
+def test_small_splits_give_every_rank_a_batch(synth_dir, monkeypatch):
+    """Fewer rows than ranks x batch: batches shrink so no rank has an empty loader (DDP)."""
+    from specstop.models import build_predictor
+    from specstop.train.data import PredictorDataModule, TensorBatches
+
+    dm = PredictorDataModule(str(synth_dir), batch_size=32, max_rows=50)
+    spec = build_predictor("disco_ffn", k=dm.k).feature_spec
+    dm.configure(spec, "accept_prob")
+    split = dm.load_split("validation")
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setattr(TensorBatches, "_rank_world", staticmethod(lambda rank=rank: (rank, 2)))
+        for train in (True, False):
+            batches = list(TensorBatches(split, spec, 4096, shuffle=train, seed=0, drop_uneven=train))
+            assert len(batches) >= 1, (rank, train)
+            if not train:
+                seen += [len(b[1]) for b in batches]
+    assert sum(seen) == len(split)  # evaluation still covers every row exactly once

@@ -84,9 +84,17 @@ class TensorBatches(IterableDataset):
             return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
 
+    def _batch_size(self, world: int) -> int:
+        """Rows per batch: smaller than asked when the split has fewer batches than ranks, so no
+        rank gets an empty loader (Lightning refuses one; small validation splits hit this)."""
+        n = len(self.data)
+        if -(-n // self.batch_size) >= world:
+            return self.batch_size
+        return max(1, n // world if self.drop_uneven else -(-n // world))
+
     def _num_batches(self) -> tuple[int, int, int]:
         rank, world = self._rank_world()
-        total = -(-len(self.data) // self.batch_size)
+        total = -(-len(self.data) // self._batch_size(world))
         per_rank = total // world if self.drop_uneven else len(range(rank, total, world))
         return rank, world, per_rank
 
@@ -102,9 +110,10 @@ class TensorBatches(IterableDataset):
         else:
             order = None
         self.epoch += 1
+        bs = self._batch_size(world)
         for j in range(per_rank):
             b = rank + j * world
-            lo, hi = b * self.batch_size, min((b + 1) * self.batch_size, n)
+            lo, hi = b * bs, min((b + 1) * bs, n)
             # Contiguous slices are views (no copy) when not shuffling.
             idx = order[lo:hi] if order is not None else slice(lo, hi)
             yield self.data.features(self.spec, idx), self.data.labels[idx]
