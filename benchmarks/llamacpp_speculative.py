@@ -97,6 +97,20 @@ def held_out_prompts(data: Path, split: str, limit: int | None) -> list[list[int
     return ids[:limit] if limit else ids
 
 
+def rendered_prompts(source: str, template: str, scheme: str, split: str, pair: str, limit: int | None) -> list[list[int]]:
+    """A prompt set's split rendered as `specstop generate` renders it (the pair's chat template)."""
+    from transformers import AutoTokenizer
+
+    from specstop.pair.registry import converted_pair_dir
+    from specstop.prompts import PromptSetConfig, load_prompt_set, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(converted_pair_dir(pair) / "target")  # the tokenizer only, no weights
+    recs = [r for r in load_prompt_set(PromptSetConfig(source=source, template=template, split_scheme=scheme))
+            if r.split == split]
+    recs = recs[:limit] if limit else recs
+    return [render_prompt(r.text, tok, chat_template=True, prompt_id=r.prompt_id) for r in recs]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,7 +192,11 @@ def summarize(samples: dict[str, list[dict]]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="specstop dataset whose held-out prompts are used")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="specstop dataset whose held-out prompts are used (the replay's own)")
+    src.add_argument("--prompts", help="or a prompt source (e.g. builtin:mbpp) rendered with the pair's tokenizer")
+    ap.add_argument("--template", default="mbpp", help="with --prompts: the template")
+    ap.add_argument("--split-scheme", default="mbpp", help="with --prompts: the split scheme")
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of the split")
     ap.add_argument("--settings", required=True, help="llamacpp.json written by `specstop export --for llamacpp`")
@@ -202,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     binary = find_server(args.server)
     draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
     tuned_name, flags, tuned_meta = tuned_flags(Path(args.settings), args.option)
-    prompts = held_out_prompts(Path(args.data), args.split, args.limit)
+    if args.data:
+        prompts = held_out_prompts(Path(args.data), args.split, args.limit)
+    else:
+        prompts = rendered_prompts(args.prompts, args.template, args.split_scheme, args.split, args.pair, args.limit)
     if not prompts:
-        raise SystemExit(f"split {args.split!r} of {args.data} has no prompts")
+        raise SystemExit(f"split {args.split!r} of {args.data or args.prompts} has no prompts")
     log_dir = Path(args.out).parent if args.out else Path(".")
     log_dir.mkdir(parents=True, exist_ok=True)
     spec = {"target": (None, []), "default": (draft, []), "tuned": (draft, flags)}
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"cpus": os.cpu_count(), "threads": args.threads},
         "server": binary, "draft_gguf": str(draft), "target_gguf": str(target),
-        "data": args.data, "split": args.split, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "data": args.data or args.prompts, "split": args.split, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "warmup": args.warmup,
         "tuned": {"option": tuned_name, "flags": flags, **tuned_meta},
         "default_flags": "none (llama.cpp's defaults)",

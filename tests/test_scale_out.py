@@ -219,3 +219,13 @@ def test_small_splits_give_every_rank_a_batch(synth_dir, monkeypatch):
             if not train:
                 seen += [len(b[1]) for b in batches]
     assert sum(seen) == len(split)  # evaluation still covers every row exactly once
+
+
+def test_a_starting_worker_leaves_other_workers_temporary_shards_alone(tmp_path):
+    """Worker 1 starting while worker 0 is mid-write must not delete worker 0's .tmp folder."""
+    root = storage.shards_root(tmp_path)
+    (root / ".tmp-train-00000-abcd1234").mkdir(parents=True)  # worker 0, writing
+    (root / ".tmp-train-00001-ffff0000").mkdir()  # worker 1's own leftover from a crash
+    removed = storage.clean_partial_shards(tmp_path, ["train-00001"])
+    assert removed == [".tmp-train-00001-ffff0000"]
+    assert (root / ".tmp-train-00000-abcd1234").is_dir()

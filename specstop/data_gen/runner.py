@@ -145,14 +145,15 @@ def generate_dataset(
     datasets.disable_progress_bars()  # one bar per table write would drown ours
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    removed = clean_partial_shards(out)
-    if removed:
-        log.info("removed %d partial/corrupt shard folder(s) from an interrupted run: %s", len(removed), ", ".join(removed))
     # Fail before any model work rather than hours into a run.
     empty = [r.prompt_id for r in records if not str(r.text).strip()]
     if empty:
         raise ValueError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
     plan = plan_shards(records, cfg.prompts_per_shard)
+    # Only this worker's shards: the others may be mid-write in the same folder.
+    removed = clean_partial_shards(out, [p.name for p in plan if p.ordinal % num_shards == shard_index])
+    if removed:
+        log.info("removed %d partial/corrupt shard folder(s) from an interrupted run: %s", len(removed), ", ".join(removed))
     check_no_foreign_shards(out, plan)
     fp = cfg.label_fingerprint()
     render = render or default_render(pair.tokenizer, cfg.prompts.chat_template, cfg.prompts.system_prompt)

@@ -170,13 +170,27 @@ def verify_shard(path: str | Path, *, check_hashes: bool = False) -> bool:
     return True
 
 
-def clean_partial_shards(out_dir: str | Path) -> list[str]:
-    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification."""
+def _tmp_owner(name: str) -> str:
+    """The shard a ``.tmp-<shard>-<random>`` folder was being written for."""
+    return name[len(".tmp-") :].rsplit("-", 1)[0]
+
+
+def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None) -> list[str]:
+    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification.
+
+    Args:
+        names: only these shards (a worker's own): other workers may be writing theirs right now,
+            and their temporary folders must not be touched. None cleans every shard.
+    """
     removed = []
     root = shards_root(out_dir)
     if not root.is_dir():
         return removed
+    keep = None if names is None else set(names)
     for p in sorted(root.iterdir()):
+        owner = _tmp_owner(p.name) if p.name.startswith(".tmp-") else p.name
+        if keep is not None and owner not in keep:
+            continue
         if p.name.startswith(".tmp-") or (p.is_dir() and not verify_shard(p)):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
