@@ -54,10 +54,11 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
     lc = engine_settings(tuned, "llamacpp", draft="d.gguf", target="t.gguf")
     assert lc["recommended"] == "confidence_opt"
     flags = lc["options"]["confidence_opt"]["flags"]
-    assert flags == ["--spec-draft-n-max", "12", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0.62"]
+    assert flags == ["--spec-type", "draft-simple", "--spec-draft-n-max", "12", "--spec-draft-n-min", "0",
+                     "--spec-draft-p-min", "0.62"]
     assert lc["options"]["static_opt"]["flags_legacy"] == ["--draft-max", "4", "--draft-min", "0", "--draft-p-min", "0"]
     cmd = shlex.split(lc["options"]["confidence_opt"]["command"])
-    assert cmd[:5] == ["llama-server", "-m", "t.gguf", "-md", "d.gguf"] and cmd[-6:] == flags
+    assert cmd[:5] == ["llama-server", "-m", "t.gguf", "-md", "d.gguf"] and cmd[-8:] == flags
     assert lc["options"]["confidence_opt"]["caveat"]  # p-min drops the low-confidence token, ours keeps it
 
     sg = engine_settings(tuned, "sglang", draft="d", target="t")
@@ -68,7 +69,7 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
 
 def test_llamacpp_static_policy_disables_p_min():
     assert llamacpp_flags(PolicySpec(kind="static", k=6).to_dict()) == [
-        "--spec-draft-n-max", "6", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+        "--spec-type", "draft-simple", "--spec-draft-n-max", "6", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
 
 
 def test_unknown_engine_and_missing_policies_are_clear(tmp_path):

@@ -10,9 +10,9 @@ hf          ``num_assistant_tokens`` + ``num_assistant_tokens_schedule`` (static
             with SL_max as num_assistant_tokens); the learned predictor itself through
             ``generate(custom_generate=EXPORT)``.
 vllm        ``speculative_config.num_speculative_tokens`` = static K (a fixed draft length).
-llamacpp    ``--spec-draft-n-max`` / ``--spec-draft-n-min`` / ``--spec-draft-p-min`` (older builds:
-            ``--draft-max`` / ``--draft-min`` / ``--draft-p-min``): static K (p-min 0), or SL_max
-            with the confidence threshold as p-min.
+llamacpp    ``--spec-type draft-simple`` with ``--spec-draft-n-max`` / ``--spec-draft-n-min`` /
+            ``--spec-draft-p-min`` (older builds: ``--draft-max`` / ``--draft-min`` /
+            ``--draft-p-min``): static K (p-min 0), or SL_max with the confidence threshold as p-min.
 sglang      ``--speculative-algorithm STANDALONE`` with ``--speculative-num-steps`` K,
             ``--speculative-eagle-topk 1``, ``--speculative-num-draft-tokens`` K + 1.
 =========== ==================================================================================
@@ -76,15 +76,25 @@ def _vllm(entry: dict, draft: str, target: str) -> dict:
     }
 
 
+#: Current llama.cpp drafts with a separate draft model only when asked (``-md`` alone loads it
+#: but drafts nothing: "no implementations specified for speculative decoding").
+LLAMACPP_DRAFT_TYPE = ["--spec-type", "draft-simple"]
+
+
 def llamacpp_flags(spec: dict, *, legacy: bool = False) -> list[str]:
-    """llama.cpp draft flags for a static or confidence policy spec (``legacy``: pre-rename names)."""
+    """llama.cpp draft flags for a static or confidence policy spec.
+
+    ``legacy``: the names builds before the ``--spec-*`` rename accept (``--draft-max`` ...), which
+    also need no ``--spec-type``.
+    """
     if spec["kind"] == "static":
         n_max, p_min = spec["k"], 0.0
     else:
         n_max, p_min = spec["sl_max"], spec["threshold"]
-    names = ("--draft-max", "--draft-min", "--draft-p-min") if legacy else (
-        "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min")
-    return [names[0], str(n_max), names[1], "0", names[2], f"{p_min:.4g}"]
+    if legacy:
+        return ["--draft-max", str(n_max), "--draft-min", "0", "--draft-p-min", f"{p_min:.4g}"]
+    return [*LLAMACPP_DRAFT_TYPE, "--spec-draft-n-max", str(n_max), "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", f"{p_min:.4g}"]
 
 
 def _llamacpp(entry: dict, draft: str, target: str) -> dict:
