@@ -229,3 +229,22 @@ def test_a_starting_worker_leaves_other_workers_temporary_shards_alone(tmp_path)
     removed = storage.clean_partial_shards(tmp_path, ["train-00001"])
     assert removed == [".tmp-train-00001-ffff0000"]
     assert (root / ".tmp-train-00000-abcd1234").is_dir()
+
+
+def test_sweep_trains_multi_device_points_in_their_own_process(synth_dir, tmp_path):
+    base = yaml.safe_load((REPO / "configs/train/disco_ffn.yaml").read_text())
+    base["trainer"] = {**(base.get("trainer") or {}), "accelerator": "cpu", "devices": 2, "strategy": "ddp"}
+    cfg = tmp_path / "ddp.yaml"
+    cfg.write_text(yaml.safe_dump(base))
+    out = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specstop.cli", "sweep", "--config", str(cfg), "--data", str(synth_dir),
+         "--w-rej", "1", "--max-epochs", "1", "--out", str(out), "--no-baselines"],
+        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "MEMBER: 2/2" in log and log.count("sweep: training") == 1
+    rows = json.loads((out / "sweep.json").read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    assert len(rows) == 1 and Path(rows[0]["checkpoint"]).is_file()

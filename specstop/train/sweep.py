@@ -90,6 +90,7 @@ def run_grid(args) -> list[dict]:
     from specstop.models.checkpoint import load_predictor
     from specstop.train.cli import build_cli
     from specstop.train.evaluate import evaluate_predictor
+    from specstop.train.launch import requested_processes, run_train
 
     base = yaml.safe_load(Path(args.config).read_text()) or {}
     out = Path(args.out)
@@ -101,9 +102,20 @@ def run_grid(args) -> list[dict]:
         name = f"wrej{w_rej:g}" + (f"_D{depth}" if depth is not None else "") + (f"_lr{lr:g}" if lr is not None else "")
         log.info("sweep: training %s", name)
         cfg = _grid_config(base, out, name, w_rej, depth, lr, args)
-        cli = build_cli(cfg, run=False)
-        cli.trainer.fit(cli.model, cli.datamodule)
-        best = cli.trainer.checkpoint_callback.best_model_path
+        conf_path = out / name / "config.yaml"
+        conf_path.parent.mkdir(parents=True, exist_ok=True)
+        conf_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        if requested_processes(["--config", str(conf_path)]) > 1:
+            # Several devices: Lightning relaunches the training command per rank, so it must be
+            # its own `specstop train` process (not this sweep); evaluate its best checkpoint here.
+            run_train(["--config", str(conf_path)])
+            best = json.loads((out / name / "checkpoints" / "metrics.json").read_text())["best_checkpoint"]
+            one = {**cfg, "trainer": {**cfg["trainer"], "devices": 1, "strategy": "auto", "num_nodes": 1}}
+            cli = build_cli(one, run=False)
+        else:
+            cli = build_cli(cfg, run=False)
+            cli.trainer.fit(cli.model, cli.datamodule)
+            best = cli.trainer.checkpoint_callback.best_model_path
         predictor, _ = load_predictor(best)
         dm = cli.datamodule
         val = evaluate_predictor(predictor, dm, "validation", baselines=not args.no_baselines)
