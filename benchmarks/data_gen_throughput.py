@@ -12,7 +12,7 @@ Examples::
 
     python benchmarks/data_gen_throughput.py --pair tiny --n 16 --batch-sizes 1,8
     python benchmarks/data_gen_throughput.py --pair qwen2.5-coder-0.5b-1.5b \\
-        --prompts ../shared/datasets/mbpp.jsonl --template mbpp --n 16 --batch-sizes 1,8
+        --prompts builtin:mbpp --template mbpp --n 16 --batch-sizes 1,8
     python benchmarks/data_gen_throughput.py --pair qwen2.5-coder-0.5b-1.5b --random-init \\
         --device cuda --n 512 --batch-sizes 1,8,32,64,128,256
 """
