@@ -134,8 +134,8 @@ def resolve_folder(
         )
     except Exception as err:  # huggingface_hub raises several types for offline / missing repos
         raise FileNotFoundError(
-            f"could not fetch the stopping policy {name!r} from the Hub ({type(err).__name__}: {err}); "
-            "offline, download it once with network or pass a local export folder"
+            f"{name!r} is not a local folder, and fetching it as a hub id failed ({type(err).__name__}: {err}); "
+            "give an export folder that exists, or a hub id with network (download it once to use it offline)"
         ) from err
 
 
