@@ -14,6 +14,9 @@ import pytest
 
 # Tests never reach the network: fail fast instead of waiting on hub timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `dtype: auto` picks bf16 on CPUs with bf16 matrix units; tests compare outputs bit for bit, so they
+# run in float32 on every machine (tests/test_fast_paths.py covers the choice itself).
+os.environ.setdefault("SPECSTOP_CPU_DTYPE", "float32")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = REPO.parent / "shared" / "datasets"

@@ -48,6 +48,8 @@ def test_tune_and_eval_cli(tmp_path):
             "tune",
             "--data",
             str(data),
+            "--cost-model",
+            "llama2-7b-70b",
             "--checkpoint",
             f"disco={tmp_path / 'disco.ckpt'}",
             "--checkpoint",

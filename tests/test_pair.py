@@ -84,7 +84,7 @@ def test_identity_fields():
         assert ident.dtype == "float32" and ident.hidden_size == 32 and ident.num_hidden_layers == 2
         assert ident.source_sha256 is None
     d = pair.to_dict()
-    assert set(d) == {"name", "draft", "target", "tokenizer_hash", "vocab"}
+    assert set(d) == {"name", "draft", "target", "tokenizer_hash", "vocab", "dtype"}
     json.dumps(d)  # manifests need it serialisable
 
 

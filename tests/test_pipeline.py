@@ -58,8 +58,10 @@ def pipeline_config(tmp_path_factory):
             {"name": "specdecpp_resnet", "config": "configs/train/specdecpp_resnet.yaml",
              "args": ["--trainer.max_epochs", "2"]},
         ],
-        "cost_model": "reference-cpu",
-        "online_prompts": 1,
+        "cost_model": "calibrate",
+        "calibrate_budget": 0.5,
+        "online_prompts": 2,
+        "online_repeats": 1,
         "online_max_new_tokens": 12,
         "export_policy": "disco_ffn",  # a learned policy: exercises export from a real training checkpoint
     }
@@ -88,8 +90,18 @@ def test_pipeline_runs_reuses_and_resumes(pipeline_config, tmp_path, monkeypatch
     assert set(first.values()) == {"ran"}, first
     online = json.loads((run_dir / "online.json").read_text())
     assert online["all_identical"], online  # our decoder reproduced the target's greedy output
+    names = list(online["rows"])
+    assert names[0] == "target" and any(n.startswith("export") for n in names), names
+    assert any(n.startswith("static_opt") for n in names) and "HF assisted (defaults)" in names, names
+    exp = next(r for n, r in online["rows"].items() if n.startswith("export"))
+    lo_hi = exp["decode_speedup"]
+    assert lo_hi[1] <= lo_hi[0] <= lo_hi[2] and "predicted_decode_speedup" in exp and "predicted_round_seconds" in exp
     report = json.loads((run_dir / "report.json").read_text())
     assert "oracle" in report["eval"]["rows"]
+    cost = json.loads((run_dir / "cost.json").read_text())
+    assert cost["provenance"] == "measured" and cost["target_by_k"], cost
+    md = (run_dir / "report.md").read_text()
+    assert "measured on this machine" in md.splitlines()[2] and "Online check" in md
 
     # Unchanged rerun: everything reused.
     assert main(["pipeline", "--config", str(path)]) == 0

@@ -1,24 +1,27 @@
-"""``specstop calibrate-cost``: measure draft and target step costs on this hardware (SpecDec++ 5.2).
+"""``specstop calibrate-cost``: measure this machine's draft step and t_target(K) table (SpecDec++ 5.2).
 
-With a KV cache filled by the prompt, we time (``time.perf_counter``, CUDA synchronised):
+What decoding will pay is measured where decoding will run: the pair is loaded in the dtype and on
+the device decoding uses (``dtype auto`` explains its choice), and both KV caches are filled to the
+context length decoding sees (a dataset's mean prompt length plus half its response length with
+``--data``, else ``--context-tokens``). Then, interleaved round after round until the time budget
+(default 60 s of measuring; about 90 s with loading on a 2-core CPU) is spent:
 
-* draft-only greedy runs of n steps, n in {1, 2, 4, 8, 16}: total(n) = c + t_draft * n;
-* target verification passes over K + 1 tokens, K in {0, 1, 2, 4, 8, 16}:
-  t_target(K) = a + b * (K + 1).
+* one draft step (one token fed, greedy pick), a few times per round;
+* one target pass over K + 1 tokens for every K in the grid (shuffled per round, so drift and other
+  load spread over all K alike), the cache rolled back after each.
 
-Both lines are fitted by least squares over all prompts and repeats and reported with R^2; the
-target's line over K >= 1 only, because a single token (K = 0) runs through other kernels
-(matrix-vector on a CPU) and gets its own cost, t_target_single = the mean at K = 0. The cost
-model gets t_draft (slope), t_target = a (intercept), verify_per_token = b (slope; clamped at 0 when
-noise makes it negative) and t_target_single. SpecDec++ Eq. 5.1 assumes b = 0; on a CPU it is not.
-Optionally ``--checkpoint`` times a stopping predictor per draft step.
+The cost model gets the median per K (``target_by_k``, interpolated by the cost model), the median
+draft step, and - for reference and for presets' sake - the least-squares line over K >= 1. A
+plot of every sample, the medians and the line is written next to the JSON (``cost.png``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -34,34 +37,44 @@ DEFAULT_PROMPTS = (
     'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
     "Explain in one paragraph what a hash table is.\n",
 )
-DRAFT_STEPS = (1, 2, 4, 8, 16)
-VERIFY_K = (0, 1, 2, 4, 8, 16)
+K_GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 20)
+DRAFT_STEPS_PER_ROUND = 4
+MIN_ROUNDS = 3
 
 
 def add_arguments(p) -> None:
     p.add_argument("--pair", help="pair name or folder with draft/ and target/")
     p.add_argument("--draft", help="draft model folder or hub id (with --target)")
     p.add_argument("--target", help="target model folder or hub id (with --draft)")
-    p.add_argument(
-        "--prompts",
-        help="text file (one prompt per line) or JSONL with a 'prompt'/'text' field; default: 4 built-in prompts",
-    )
-    p.add_argument("--max-prompts", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (after one warm-up)")
+    p.add_argument("--data", help="a specstop dataset: measure at its decoding context length (prompt + half a response)")
+    p.add_argument("--prompts", help="text file (one prompt per line) or JSONL with a 'prompt'/'text' field")
+    p.add_argument("--context-tokens", type=int, default=None,
+                   help="KV cache length to measure at (default: from --data, else 256)")
+    p.add_argument("--budget", type=float, default=60.0, help="seconds of measuring (at least 3 rounds are always taken)")
+    p.add_argument("--k-grid", default=",".join(map(str, K_GRID)), help="drafted lengths K to time (comma-separated)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--checkpoint", default=None, help="also time this stopping predictor per draft step")
-    p.add_argument("--out", default="cost.json", help="cost model JSON to write")
+    p.add_argument("--dtype", default="auto", help="auto (this machine's fastest lossless dtype), float32, bfloat16, float16")
+    p.add_argument("--checkpoint", action="append", default=None, metavar="[NAME=]PATH",
+                   help="also time this stopping predictor's per-step decision (repeatable)")
+    p.add_argument("--out", default="cost.json", help="cost model JSON to write (a plot goes beside it)")
+    p.add_argument("--no-plot", action="store_true")
+    # Kept so older scripts run: --repeats/--max-prompts no longer steer the measurement.
+    p.add_argument("--repeats", type=int, default=None, help=argparse_suppress())
+    p.add_argument("--max-prompts", type=int, default=None, help=argparse_suppress())
 
 
-def read_prompts(path: str | None, limit: int) -> list[str]:
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def read_prompts(path: str | None, limit: int = 8) -> list[str]:
     if not path:
         return list(DEFAULT_PROMPTS)[:limit]
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(
-            f"--prompts {path}: no such file (give a text file, one prompt per line, or JSONL)"
-        )
+        raise FileNotFoundError(f"--prompts {path}: no such file (give a text file, one prompt per line, or JSONL)")
     out = []
     for line in p.read_text().splitlines():
         line = line.strip()
@@ -82,79 +95,109 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
     return out
 
 
+def context_from_data(data_dir: str) -> tuple[list[int], int]:
+    """A real decoding context from a dataset: a test (else any) prompt + its response, and the
+    length decoding sees on average (mean prompt length + max_new_tokens / 2)."""
+    from specstop.data_gen.storage import load_table, read_manifest
+
+    man = read_manifest(data_dir)
+    seqs = load_table(data_dir, "sequences", "test")
+    if len(seqs) == 0:
+        seqs = load_table(data_dir, "sequences")
+    if len(seqs) == 0:
+        raise ValueError(f"{data_dir} holds no sequences to take a context from")
+    plen = [len(p) for p in seqs["prompt_ids"]]
+    target = int(np.mean(plen) + man["generation"]["max_new_tokens"] / 2)
+    ids: list[int] = []
+    for p, r in zip(seqs["prompt_ids"], seqs["response_ids"]):
+        ids += list(p) + list(r)
+        if len(ids) >= target + 64:
+            break
+    return ids, target
+
+
+def build_context(tokenizer, prompts: list[str], length: int) -> list[int]:
+    """Prompt token ids concatenated (repeated if needed) to ``length`` + a margin for the blocks."""
+    ids: list[int] = []
+    while len(ids) < length + 64:
+        for text in prompts:
+            ids += tokenizer(text).input_ids
+    return ids
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _reset(cache, length: int) -> None:
-    """Drop cached tokens beyond ``length`` (transformers 5: crop takes minus the count to remove)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+class _Cached:
+    """A model with a KV cache filled to the context length; times feeds and rolls them back."""
+
+    def __init__(self, model, context: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.cache = DynamicCache(config=model.config)
+        self.length = len(context)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([context], device=self.device), past_key_values=self.cache,
+                  use_cache=True, logits_to_keep=1)
+
+    @torch.no_grad()
+    def time_feed(self, tokens: list[int]) -> tuple[float, int]:
+        """Seconds for one forward over ``tokens`` (greedy pick of the last row), then roll back."""
+        ids = torch.tensor([tokens], device=self.device)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=len(tokens))
+        nxt = int(out.logits[0, -1].argmax())
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        self.cache.crop(self.length - self.cache.get_seq_length())  # transformers 5: negative = remove
+        return dt, nxt
 
 
-def _prefill(model, ids):
-    from transformers import DynamicCache
+def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
+              progress: bool = True, seed: int = 0) -> dict:
+    """Raw timings ``{"draft": [s, ...], "target": {K: [s, ...]}, "rounds": R, "seconds": S}``."""
+    from tqdm.auto import tqdm
 
-    cache = DynamicCache()
-    with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-    return out.past_key_values, out.logits[:, -1]
-
-
-@torch.no_grad()
-def time_pair(
-    pair, prompts: list[str], *, repeats: int = 3, draft_steps=DRAFT_STEPS, verify_k=VERIFY_K
-) -> dict:
-    """Raw timings: ``{"draft": [(n, seconds)], "target": [(K, seconds)]}``."""
-    tok = pair.tokenizer
-    d_dev, t_dev = pair.draft_device, pair.target_device
-    draft_rows, target_rows = [], []
-    for text in prompts:
-        ids = tok(text, return_tensors="pt").input_ids
-        if ids.shape[1] < 2:
-            continue
-        d_cache, d_last = _prefill(pair.draft, ids.to(d_dev))
-        t_cache, _ = _prefill(pair.target, ids.to(t_dev))
-        plen = ids.shape[1]
-        # A greedy draft continuation gives realistic tokens to verify.
-        cont = []
-        nxt = d_last.argmax(-1, keepdim=True)
-        for _ in range(max(verify_k) + 1):
-            cont.append(nxt)
-            out = pair.draft(input_ids=nxt, past_key_values=d_cache, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        _reset(d_cache, plen)
-        cont = torch.cat(cont, dim=1)
-        for n in draft_steps:
-            for r in range(repeats + 1):
-                nxt = cont[:, :1].to(d_dev)
-                _sync(d_dev)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    out = pair.draft(input_ids=nxt, past_key_values=d_cache, use_cache=True)
-                    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                _sync(d_dev)
-                dt = time.perf_counter() - t0
-                _reset(d_cache, plen)
-                if r:  # the first run is a warm-up
-                    draft_rows.append((n, dt))
-        for k in verify_k:
-            block = cont[:, : k + 1].to(t_dev)
-            for r in range(repeats + 1):
-                _sync(t_dev)
-                t0 = time.perf_counter()
-                out = pair.target(input_ids=block, past_key_values=t_cache, use_cache=True)
-                out.logits[:, -1].argmax(-1)
-                _sync(t_dev)
-                dt = time.perf_counter() - t0
-                _reset(t_cache, plen)
-                if r:
-                    target_rows.append((k, dt))
-    if not draft_rows:
-        raise ValueError("no usable prompts (each needs at least 2 tokens)")
-    return {"draft": draft_rows, "target": target_rows}
+    ctx = context[:context_tokens]
+    block = context[context_tokens : context_tokens + max(k_grid) + 1]
+    if len(block) < max(k_grid) + 1:
+        raise ValueError(f"context too short: need {context_tokens + max(k_grid) + 1} tokens, have {len(context)}")
+    draft = _Cached(pair.draft, ctx)
+    target = _Cached(pair.target, ctx)
+    # Warm-up: allocator, kernel choice (oneDNN primitives per shape), caches.
+    draft.time_feed(block[:1])
+    for k in sorted({0, 1, max(k_grid)}):
+        target.time_feed(block[: k + 1])
+    rng = random.Random(seed)
+    draft_s: list[float] = []
+    target_s: dict[int, list[float]] = {int(k): [] for k in k_grid}
+    t_start = time.perf_counter()
+    bar = tqdm(total=round(budget_s), unit="s", desc="calibrate", disable=not progress,
+               bar_format="{desc} {bar} {n:.0f}/{total:.0f} s")
+    rounds = 0
+    while True:
+        order = list(k_grid)
+        rng.shuffle(order)
+        for i in range(DRAFT_STEPS_PER_ROUND):
+            draft_s.append(draft.time_feed(block[i : i + 1])[0])
+        for k in order:
+            target_s[int(k)].append(target.time_feed(block[: k + 1])[0])
+        rounds += 1
+        elapsed = time.perf_counter() - t_start
+        bar.n = min(elapsed, budget_s)
+        bar.set_description_str(
+            f"calibrate (round {rounds}: draft step {np.median(draft_s):.3f} s, target K={min(k_grid)} "
+            f"{np.median(target_s[min(k_grid)]):.3f} s, K={max(k_grid)} {np.median(target_s[max(k_grid)]):.3f} s)"
+        )
+        if rounds >= MIN_ROUNDS and elapsed >= budget_s:
+            break
+    bar.close()
+    return {"draft": draft_s, "target": target_s, "rounds": rounds, "seconds": time.perf_counter() - t_start}
 
 
 def linfit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
@@ -168,92 +211,182 @@ def linfit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     return float(a), float(b), r2
 
 
-def time_predictor(path: str, repeats: int = 200) -> float:
-    """Seconds per single-row predictor call (batch 1, as at decode time)."""
-    from specstop.eval.scoring import load_checkpoint
+def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
+    """Seconds per ``should_stop`` call of ``policy`` on realistic draft logits/hidden states (batch 1),
+    features included (softmax, top-k): what the decoder pays per draft step on top of the forward."""
+    from specstop.probs import DecodingConfig
 
-    predictor, _ = load_checkpoint(path)
-    x = torch.zeros(1, predictor.feature_spec.input_dim)
-    with torch.no_grad():
-        for _ in range(10):
-            torch.sigmoid(predictor(x))
+    dev = pair.draft_device
+    policy.configure(DecodingConfig(), pair.vocab_size)
+    logits = torch.randn(pair.draft_identity.logits_size, device=dev).to(next(pair.draft.parameters()).dtype)
+    hidden = torch.randn(pair.draft_identity.hidden_size, device=dev).to(logits.dtype)
+    ts = []
+    for r in range(repeats + 5):
+        policy.reset()
+        policy.should_stop(logits, None, position=0)  # j = 1 (hidden heads skip it)
+        _sync(dev)
         t0 = time.perf_counter()
-        for _ in range(repeats):
-            torch.sigmoid(predictor(x))
-    return (time.perf_counter() - t0) / repeats
+        policy.should_stop(logits, hidden, position=1)
+        _sync(dev)
+        if r >= 5:
+            ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
 
 
-def calibrate(
-    pair,
-    prompts: list[str],
-    *,
-    repeats: int = 3,
-    predictor_checkpoint: str | None = None,
-    name: str = "calibrated",
-    draft_steps=DRAFT_STEPS,
-    verify_k=VERIFY_K,
-) -> CostModel:
-    """Time ``pair`` and fit a :class:`CostModel` (see module docstring)."""
-    raw = time_pair(pair, prompts, repeats=repeats, draft_steps=draft_steps, verify_k=verify_k)
-    dn, dt = zip(*raw["draft"])
-    c, t_draft, r2_d = linfit(np.array(dn), np.array(dt))
-    tk, tt = zip(*raw["target"])
-    tk, tt = np.array(tk), np.array(tt)
-    multi = tk >= 1
-    if multi.sum() >= 2 and len(set(tk[multi])) >= 2:
-        a, b, r2_t = linfit(tk[multi] + 1, tt[multi])
-    else:  # only K = 0 timed: a flat line through it
-        a, b, r2_t = float(tt.mean()), 0.0, 1.0
-    single = float(tt[tk == 0].mean()) if (tk == 0).any() else None
-    if t_draft <= 0:
-        t_draft = float(np.mean(np.array(dt) / np.array(dn)))  # noise swamped the slope: use the mean step
-    pred = time_predictor(predictor_checkpoint) if predictor_checkpoint else 0.0
+def machine_record(pair, context_tokens: int) -> dict:
+    """Where the costs were measured (the cost model's ``machine``)."""
+    from specstop.pair.dtype_choice import cpu_flags, cpu_model_name
+
+    dev = torch.device(pair.target_device)
+    rec = {
+        "device": dev.type,
+        "cpu": cpu_model_name(),
+        "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": pair.target_identity.dtype,
+        "dtype_reason": pair.dtype_record().get("reason"),
+        "context_tokens": int(context_tokens),
+        "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    if dev.type == "cuda":
+        rec["gpu"] = torch.cuda.get_device_name(dev)
+    return rec
+
+
+def fit_cost(raw: dict, *, name: str, machine: dict, policy_steps: dict | None = None) -> CostModel:
+    """A measured :class:`CostModel` from :func:`time_pair`'s raw timings."""
+    med = {k: float(np.median(v)) for k, v in sorted(raw["target"].items())}
+    q = {k: [float(np.percentile(v, 25)), float(np.percentile(v, 75))] for k, v in sorted(raw["target"].items())}
+    ks = np.array([k for k, v in raw["target"].items() for _ in v if k >= 1], dtype=float)
+    ts = np.array([t for k, v in raw["target"].items() for t in v if k >= 1], dtype=float)
+    if len(set(ks)) >= 2:
+        a, b, r2 = linfit(ks + 1, ts)
+    else:
+        a, b, r2 = float(ts.mean()) if len(ts) else med[min(med)], 0.0, 1.0
+    t_draft = float(np.median(raw["draft"]))
+    pred = dict(policy_steps or {})
     fit = {
-        "draft": {"intercept": c, "per_step": t_draft, "r2": r2_d},
-        "target": {"a": a, "b": b, "r2": r2_t},
-        "device": {"draft": str(pair.draft_device), "target": str(pair.target_device)},
-        "prompts": len(prompts),
-        "repeats": repeats,
-        "target_mean_by_k": {
-            str(k): float(np.mean([t for kk, t in raw["target"] if kk == k])) for k in sorted(set(tk))
-        },
-        "draft_mean_by_n": {
-            str(n): float(np.mean([t for nn, t in raw["draft"] if nn == n])) for n in sorted(set(dn))
-        },
+        "method": "interleaved rounds; medians per K (t_target(K) table); line over K >= 1 for reference",
+        "rounds": raw["rounds"],
+        "seconds": raw["seconds"],
+        "draft": {"median": t_draft, "iqr": [float(np.percentile(raw["draft"], 25)), float(np.percentile(raw["draft"], 75))],
+                  "samples": len(raw["draft"])},
+        "target_median_by_k": {str(k): v for k, v in med.items()},
+        "target_iqr_by_k": {str(k): v for k, v in q.items()},
+        "line": {"a": a, "b": b, "r2": r2},
     }
     return CostModel(
-        t_draft=max(t_draft, 0.0),
+        t_draft=t_draft,
         t_target=max(a, 1e-9),
         verify_per_token=max(b, 0.0),
-        t_target_single=single,
-        predictor_per_step=pred,
+        t_target_single=med.get(0),
+        target_by_k=med,
+        policy_per_step=pred or None,
+        provenance="measured",
+        machine=machine,
         name=name,
         fit=fit,
     )
 
 
+def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
+              policies: dict | None = None, name: str = "calibrated", progress: bool = True) -> tuple[CostModel, dict]:
+    """Time ``pair`` at ``context_tokens`` of context; returns the measured :class:`CostModel` and the
+    raw timings (for :func:`calibration_plot`)."""
+    raw = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=k_grid, progress=progress)
+    steps = {n: time_policy_step(p, pair) for n, p in (policies or {}).items()}
+    return fit_cost(raw, name=name, machine=machine_record(pair, context_tokens), policy_steps=steps), raw
+
+
+def calibration_plot(path: Path, cost: CostModel, raw: dict) -> Path:
+    """Every timed target pass, the per-K medians (the table the cost model interpolates) and the
+    least-squares line; the draft step's spread in the corner."""
+    from specstop.eval.plots import _plt
+
+    plt = _plt()
+    fig, (ax, axd) = plt.subplots(1, 2, figsize=(9.6, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    rng = np.random.default_rng(0)
+    for k, v in raw["target"].items():
+        ax.plot(k + rng.uniform(-0.15, 0.15, len(v)), v, ".", color="tab:blue", alpha=0.35, ms=4)
+    kmax = max(raw["target"])
+    ks = np.arange(kmax + 1)
+    ax.plot(ks, cost.target_costs(kmax), "-", color="tab:blue", lw=2, label="t_target(K): medians, interpolated")
+    line = cost.fit["line"]
+    ax.plot(ks[1:], line["a"] + line["b"] * (ks[1:] + 1), "--", color="tab:gray",
+            label=f"line over K>=1: {line['a']:.3f} + {line['b']:.4f}(K+1), R^2 {line['r2']:.2f}")
+    ax.set_xlabel("K drafted tokens (target pass over K + 1 tokens; K = 0: one token)")
+    ax.set_ylabel("seconds per target pass")
+    m = cost.machine or {}
+    ax.set_title(f"{m.get('cpu') if m.get('device') == 'cpu' else m.get('gpu', m.get('device'))}, {m.get('dtype')}, "
+                 f"context {m.get('context_tokens')}", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    axd.boxplot([raw["draft"]], tick_labels=["draft step"])
+    axd.set_ylim(bottom=0)
+    axd.set_title(f"t_draft {cost.t_draft:.4f} s", fontsize=9)
+    axd.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _named_checkpoints(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, _, path = item.rpartition("=")
+        out[name or Path(path).stem] = path
+    return out
+
+
 def run(args) -> int:
+    from specstop.export.runtime import StoppingPolicy
     from specstop.pair.registry import load_named_pair
 
-    pair = load_named_pair(
-        args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device
-    )
-    prompts = read_prompts(args.prompts, args.max_prompts)
-    cost = calibrate(
-        pair, prompts, repeats=args.repeats, predictor_checkpoint=args.checkpoint, name=Path(args.out).name
-    )
+    k_grid = tuple(sorted({int(k) for k in str(args.k_grid).split(",") if k.strip()}))
+    if not k_grid or min(k_grid) < 0:
+        raise ValueError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
+    if args.budget <= 0:
+        raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
+    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    if args.data:
+        context, n_ctx = context_from_data(args.data)
+    else:
+        n_ctx = args.context_tokens or 256
+        context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
+    if args.context_tokens:
+        n_ctx = args.context_tokens
+        if len(context) < n_ctx + max(k_grid) + 1:
+            context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
+    policies = {"confidence": StoppingPolicy.from_string("confidence:0.4")}
+    for name, path in _named_checkpoints(args.checkpoint).items():
+        policies[name] = _policy_from_checkpoint(path)
+    cost, raw = calibrate(pair, context=context, context_tokens=n_ctx, budget_s=args.budget, k_grid=k_grid,
+                          policies=policies, name=Path(args.out).name)
     cost.save(args.out)
-    f = cost.fit
-    log.info(
-        "t_draft %.5f s/step (R^2 %.3f); single target step %.5f s; t_target(K >= 1) = %.5f + %.5f*(K+1) s "
-        "(R^2 %.3f); predictor %.2e s/step -> %s",
-        cost.t_draft,
-        f["draft"]["r2"],
-        cost.single_step,
-        f["target"]["a"],
-        f["target"]["b"],
-        f["target"]["r2"],
-        cost.predictor_per_step,
-        args.out,
-    )
+    if not args.no_plot:
+        png = calibration_plot(Path(args.out).with_suffix(".png"), cost, raw)
+        log.info("plot: %s", png)
+    t = cost.target_by_k
+    log.info("%s", cost.provenance_line())
+    log.info("t_draft %.4f s/step; t_target(K): %s; policy step %s -> %s", cost.t_draft,
+             ", ".join(f"K={k}: {v:.3f}" for k, v in t.items()),
+             ", ".join(f"{n} {1e3 * s:.2f} ms" for n, s in (cost.policy_per_step or {}).items()), args.out)
     return 0
+
+
+def _policy_from_checkpoint(path: str):
+    """A StoppingPolicy around a checkpoint's or an export's predictor (its threshold is irrelevant for timing)."""
+    from specstop.export.runtime import StoppingPolicy
+
+    if Path(path).is_dir():
+        return StoppingPolicy.from_pretrained(path, allow_draft_mismatch=True)
+    from specstop.eval.scoring import family_rule, load_checkpoint
+    from specstop.policy import PolicySpec
+
+    predictor, meta = load_checkpoint(path)
+    family = meta.get("family") or predictor.family
+    rule, reads = family_rule(family, predictor.feature_spec.kind)
+    return StoppingPolicy(PolicySpec(kind="predictor", family=family, rule=rule, reads=reads, threshold=0.5), predictor)

@@ -110,6 +110,9 @@ def mc_replay(
     end = data.offsets[lanes_p + 1]
     sched = np.full(len(s), spec.start, np.int64)
     tot = {k: np.zeros(repeats, np.int64) for k in ("rounds", "drafted", "accepted", "emitted", "rejections", "target_only")}
+    # [R, K_max + 1] rounds per drafted length: what a per-K cost table prices.
+    k_width = int(min(spec.cap if cap is None else cap, data.max_new_tokens)) + 1
+    hist = np.zeros((repeats, k_width), np.int64)
     alive = s < end
     s, end, lanes_p, rep, sched = s[alive], end[alive], lanes_p[alive], rep[alive], sched[alive]
     acc_p = data.accept_expected
@@ -149,12 +152,13 @@ def mc_replay(
             ("target_only", (k == 0).astype(np.int64)),
         ):
             np.add.at(tot[name], rep, val)
+        np.add.at(hist, (rep, k), 1)
         if heuristic:
             sched = np.where((k > 0) & (n_acc == k), sched + 2, np.maximum(1, sched - 1))
         s = s + emitted
         keep = s < end
         s, end, lanes_p, rep, sched = s[keep], end[keep], lanes_p[keep], rep[keep], sched[keep]
-    lat = cost.latency_per_token(tot["rounds"], tot["drafted"], tot["emitted"], tot["target_only"])
+    lat = cost.latency_from_hist(hist, tot["emitted"])
     mean = Counts(
         n=int(round(tot["emitted"].mean())),
         rounds=int(round(tot["rounds"].mean())),
@@ -162,6 +166,7 @@ def mc_replay(
         accepted=int(round(tot["accepted"].mean())),
         target_only=int(round(tot["target_only"].mean())),
         prompts=n_p,
+        k_hist=hist.mean(0).round().astype(np.int64),
     )
     out = mean.metrics(cost)
     out.update(

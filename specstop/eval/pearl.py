@@ -15,7 +15,7 @@ PEARL runs the draft and the target *in parallel* with window gamma = round(t_ta
   dropped); if n = g, the target's last logit verifies the first new draft token: accepted ->
   emit g, stay in post-verify with the new block; rejected -> emit g + the correction, pre-verify.
 
-t_target(n) = t_target + verify_per_token * n (n tokens fed to the target). Greedy data decide every
+A target pass over n tokens costs the cost model's t_target(n - 1) (its per-K table). Greedy data decide every
 acceptance (greedy_match along the response); tokens after a mismatch are dropped anyway, so
 rollouts are not needed. Caps as in design.md: blocks never exceed remaining - 1 tokens (or the
 recorded response when it ends with EOS); a block of 0 is a plain target step.
@@ -58,8 +58,11 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
     phases = drafted = accepted = emitted_all = 0
     td = cost.draft_step + cost.predictor_per_step * 0  # PEARL has no stopping predictor
 
+    t_by_k = cost.target_costs(max(g0, 1))
+
     def tt(n: int) -> float:
-        return cost.single_step if n == 1 else cost.t_target + cost.verify_per_token * n
+        """One target pass over n tokens (K = n - 1 in the cost model's table)."""
+        return float(t_by_k[n - 1]) if n - 1 < len(t_by_k) else cost.target_cost(n - 1)
 
     for p in range(data.num_prompts):
         o, n_tok = int(data.offsets[p]), int(data.offsets[p + 1] - data.offsets[p])

@@ -57,6 +57,8 @@ class Counts:
         n: emitted tokens N. rounds: target passes N_target (target-only steps included).
         drafted: N_draft. accepted: accepted draft tokens. discarded: N_discarded = drafted - accepted.
         target_only: rounds that drafted nothing. prompts: number of prompts.
+        k_hist: [K_max + 1] number of rounds that drafted K tokens (K = 0: target-only steps); what
+            a cost model with a measured t_target(K) table prices (:meth:`CostModel.total_hist`).
     """
 
     n: int = 0
@@ -65,6 +67,16 @@ class Counts:
     accepted: int = 0
     target_only: int = 0
     prompts: int = 0
+    k_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+
+    def __post_init__(self) -> None:
+        self.k_hist = np.asarray(self.k_hist, dtype=np.int64).reshape(-1)
+        if self.rounds and not self.k_hist.sum():
+            # Built from totals alone: only "all rounds target-only" is unambiguous.
+            if self.rounds == self.target_only and self.drafted == 0:
+                self.k_hist = np.array([self.rounds], dtype=np.int64)
+            else:
+                raise ValueError("Counts with rounds > 0 need k_hist (the histogram of K per round)")
 
     @property
     def discarded(self) -> int:
@@ -73,6 +85,17 @@ class Counts:
     def add(self, other: Counts) -> None:
         for f in ("n", "rounds", "drafted", "accepted", "target_only", "prompts"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.k_hist = add_hists(self.k_hist, other.k_hist)
+
+    def add_round(self, k: int, n_acc: int, emitted: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n_acc
+        self.n += emitted
+        self.target_only += int(k == 0)
+        if k >= len(self.k_hist):
+            self.k_hist = np.concatenate([self.k_hist, np.zeros(k + 1 - len(self.k_hist), dtype=np.int64)])
+        self.k_hist[k] += 1
 
     def metrics(self, cost: CostModel | None = None) -> dict:
         """The report's numbers. Mean accepted per round: ``accepted_per_round`` excludes the target's
@@ -93,12 +116,25 @@ class Counts:
             "tokens_per_round": self.n / r,
         }
         if cost is not None:
-            out["latency_per_token"] = float(cost.latency_per_token(self.rounds, self.drafted, self.n, self.target_only))
+            out["latency_per_token"] = float(cost.latency_from_hist(self.k_hist, self.n))
             out["speedup"] = cost.target_only_per_token / out["latency_per_token"]
         return out
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        nz = np.flatnonzero(self.k_hist)
+        d["k_hist"] = self.k_hist[: (nz[-1] + 1 if len(nz) else 1)].tolist()  # trailing zeros carry nothing
+        return d
+
+
+def add_hists(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sum of two K histograms of possibly different lengths."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    if len(a) < len(b):
+        a, b = b, a
+    out = a.copy()
+    out[: len(b)] += b
+    return out
 
 
 @dataclass
@@ -216,11 +252,7 @@ def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTr
 
 
 def _emit(out: Counts, trace: ReplayTrace | None, p: int, s: int, k: int, n_acc: int, emitted: int) -> None:
-    out.rounds += 1
-    out.drafted += k
-    out.accepted += n_acc
-    out.n += emitted
-    out.target_only += int(k == 0)
+    out.add_round(k, n_acc, emitted)
     if trace is not None:
         trace.k.append(k)
         trace.n.append(n_acc)

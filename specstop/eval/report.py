@@ -80,13 +80,13 @@ def build_report(
     def run(name: str, label: str, spec: PolicySpec) -> None:
         try:
             if sampled:
-                m = mc_replay(data, spec, cost, repeats=mc_repeats)
+                m = mc_replay(data, spec, cost.for_policy(spec), repeats=mc_repeats)
             else:
                 if spec.kind != "static" and spec.sl_max > cap20 and supported is not None:
                     raise ValueError(
                         f"SL_max {spec.sl_max} exceeds what the stored rollouts support ({supported})"
                     )
-                m = fast_replay(data, spec, layout).metrics(cost)
+                m = fast_replay(data, spec, layout).metrics(cost.for_policy(spec))
         except (KeyError, ValueError) as err:
             skipped_rows[name] = f"{type(err).__name__}: {err}"
             return
@@ -96,7 +96,7 @@ def build_report(
     rows["target_only"] = {
         "label": "target only",
         "spec": None,
-        **Counts(n=n, rounds=n, prompts=data.num_prompts, target_only=n).metrics(cost),
+        **Counts(n=n, rounds=n, prompts=data.num_prompts, target_only=n, k_hist=[n]).metrics(cost),
     }
     run("dynheur", "dynHeur (start 5)", PolicySpec(kind="heuristic", start=5, sl_max=cap20))
     run("static_5", "Static SL-5", PolicySpec(kind="static", k=5))
@@ -154,7 +154,7 @@ def build_report(
     extras = {}
     if not sampled:
         static_pts = [
-            {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost)}
+            {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost.for_policy("static"))}
             for k in range(1, cap20 + 1)
         ]
         sweeps, tuned_pts = {}, {}
@@ -244,14 +244,16 @@ def _fmt(v, pct=False) -> str:
 def to_markdown(rep: dict) -> str:
     """The report as Markdown (table + notes + figures + skipped)."""
     c = rep["cost_model"]
+    cost = CostModel.from_dict(c)
     lines = [
         "# specstop eval report",
+        "",
+        f"**{cost.provenance_line()}**",
         "",
         f"- data: `{rep['dataset']}` ({rep['prompts']} prompts, {rep['tokens']} tokens), {rep['mode']}",
         f"- tuned on: `{rep['tuned_on']['dataset']}` split `{rep['tuned_on']['split']}`"
         + (" (transfer)" if rep["transfer"] else ""),
-        f"- cost model `{c['name']}`: t_draft={c['t_draft']:g}s, t_target={c['t_target']:g}s, verify/token={c['verify_per_token']:g}s, predictor/step={c['predictor_per_step']:g}s"
-        + ("" if c.get("t_target_single") is None else f", single target step={c['t_target_single']:g}s"),
+        f"- cost model `{c['name']}`: {cost.describe()}",
         "",
         "| policy | latency/token (s) | speedup | discard rate | verification rate | accepted/round (no bonus) | tokens/round (with bonus) | vs Static-opt | gap closed |",
         "|---|---|---|---|---|---|---|---|---|",

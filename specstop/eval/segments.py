@@ -157,6 +157,7 @@ class Leaves:
     accepted: np.ndarray
     emitted: np.ndarray
     target_only: np.ndarray
+    hist: np.ndarray  # [L, K_max + 1] rounds per drafted length K
 
 
 def simulate(
@@ -190,6 +191,8 @@ def simulate(
     else:
         seg = np.arange(len(layout.seg_start), dtype=np.int64)
     n0 = len(seg)
+    # Widest K a round can draft: the cap, or (oracle) the whole remaining response.
+    width = (layout.max_new_tokens if kind == "oracle" else max(int(cap), 0)) + 1
     if x is None:
         lo, hi = np.full(n0, -np.inf), np.full(n0, np.inf)
     else:
@@ -204,6 +207,7 @@ def simulate(
         "accepted": np.zeros(n0, np.int64),
         "emitted": np.zeros(n0, np.int64),
         "target_only": np.zeros(n0, np.int64),
+        "hist": np.zeros((n0, width), np.int32),
         "sched": np.full(n0, start, np.int64),
         "owner": seg.copy(),
     }
@@ -225,7 +229,7 @@ def simulate(
             fin = {k: v[~more] for k, v in fin.items()}
         done.append(fin)
         lanes = nxt
-    out = {k: np.concatenate([d[k] for d in done]) if done else np.zeros(0) for k in lanes}
+    out = {k: np.concatenate([d[k] for d in done]) if done else np.zeros((0,) + lanes[k].shape[1:]) for k in lanes}
     return Leaves(
         seg=out["owner"].astype(np.int64),
         lo=out["lo"],
@@ -235,6 +239,7 @@ def simulate(
         accepted=out["accepted"].astype(np.int64),
         emitted=out["emitted"].astype(np.int64),
         target_only=out["target_only"].astype(np.int64),
+        hist=out["hist"].astype(np.int64),
     )
 
 
@@ -311,6 +316,9 @@ def _round(lane, layout, cap, values, rule, reads, kind):
     lane["accepted"] = lane["accepted"] + n_acc
     lane["emitted"] = lane["emitted"] + emitted
     lane["target_only"] = lane["target_only"] + (k == 0)
+    hist = lane["hist"].copy()
+    hist[np.arange(len(k)), k] += 1
+    lane["hist"] = hist
     if kind == "heuristic":
         full = (k > 0) & (n_acc == k)
         lane["sched"] = np.where(full, lane["sched"] + 2, np.maximum(1, lane["sched"] - 1))
@@ -358,7 +366,8 @@ class Curve:
     is (-inf, b_0] for i = 0, (b_{i-1}, b_i] in between, (b_{M-1}, +inf) for i = M.
 
     Attributes:
-        b: [M]. rounds, drafted, accepted, target_only: [M+1] totals on each interval. n: emitted tokens.
+        b: [M]. rounds, drafted, accepted, target_only: [M+1] totals on each interval.
+        hist: [M+1, K_max + 1] rounds per drafted length K on each interval. n: emitted tokens.
     """
 
     b: np.ndarray
@@ -366,6 +375,7 @@ class Curve:
     drafted: np.ndarray
     accepted: np.ndarray
     target_only: np.ndarray
+    hist: np.ndarray
     n: int
     prompts: int
 
@@ -395,6 +405,7 @@ class Curve:
             accepted=int(self.accepted[i]),
             target_only=int(self.target_only[i]),
             prompts=self.prompts,
+            k_hist=self.hist[i],
         )
 
 
@@ -403,22 +414,24 @@ def curve_from_leaves(leaves: Leaves, n_total: int, prompts: int) -> Curve:
     order = np.lexsort((leaves.lo, leaves.seg))
     seg = leaves.seg[order]
     lo = leaves.lo[order]
-    cols = [leaves.rounds[order], leaves.drafted[order], leaves.accepted[order], leaves.target_only[order]]
+    # One matrix of every counter: [L, 4 + K_max + 1].
+    cols = np.column_stack(
+        [leaves.rounds, leaves.drafted, leaves.accepted, leaves.target_only, leaves.hist.reshape(len(leaves.seg), -1)]
+    )[order]
     first = np.ones(len(seg), dtype=bool)
     first[1:] = seg[1:] != seg[:-1]
-    base = [int(c[first].sum()) for c in cols]
+    base = cols[first].sum(0)
     ev = ~first
     b_all = lo[ev]
-    deltas = [(c[1:] - c[:-1])[ev[1:]] for c in cols]
+    deltas = (cols[1:] - cols[:-1])[ev[1:]]
     o = np.argsort(b_all, kind="stable")
     b_sorted = b_all[o]
-    b, inv = np.unique(b_sorted, return_inverse=True)
-    out = []
-    for bv, d in zip(base, deltas):
-        per_b = np.bincount(inv, weights=d[o], minlength=len(b)) if len(b) else np.zeros(0)
-        out.append(np.concatenate([[bv], bv + np.cumsum(per_b)]).round().astype(np.int64))
+    b, starts = np.unique(b_sorted, return_index=True)
+    per_b = np.add.reduceat(deltas[o], starts, axis=0) if len(b) else np.zeros((0, cols.shape[1]), np.int64)
+    out = np.concatenate([base[None, :], base[None, :] + np.cumsum(per_b, axis=0)], axis=0)
     return Curve(
-        b=b, rounds=out[0], drafted=out[1], accepted=out[2], target_only=out[3], n=n_total, prompts=prompts
+        b=b, rounds=out[:, 0], drafted=out[:, 1], accepted=out[:, 2], target_only=out[:, 3], hist=out[:, 4:],
+        n=n_total, prompts=prompts,
     )
 
 
@@ -464,6 +477,7 @@ def fast_replay(data: ReplayData, spec: PolicySpec, layout: SlotLayout | None = 
         accepted=int(leaves.accepted.sum()),
         target_only=int(leaves.target_only.sum()),
         prompts=data.num_prompts,
+        k_hist=leaves.hist.sum(0),
     )
 
 

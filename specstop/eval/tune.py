@@ -28,8 +28,9 @@ PARETO_POINTS = 400
 
 
 def curve_latency(curve: Curve, cost: CostModel) -> np.ndarray:
-    """[M+1] latency per token on each interval of the step function."""
-    return cost.latency_per_token(curve.rounds, curve.drafted, curve.n, curve.target_only)
+    """[M+1] latency per token on each interval of the step function (each interval's K histogram
+    priced by the cost model's per-K round costs)."""
+    return cost.latency_from_hist(curve.hist, curve.n)
 
 
 def pareto_points(curve: Curve, max_points: int = PARETO_POINTS) -> dict:
@@ -66,6 +67,7 @@ def tune_threshold(
         breakpoints searched, the paper grid's latencies, Pareto points of the best SL_max's sweep).
     """
     layout = layout or build_layout(data)
+    cost = cost.for_policy(base)  # its decision cost per draft step, measured when calibrated
     per = []
     best = None
     curves = {}
@@ -127,6 +129,7 @@ def tune_static(
 ) -> tuple[PolicySpec, dict]:
     """Static SL-opt (DISCO): the best K in 1..k_max."""
     layout = layout or build_layout(data)
+    cost = cost.for_policy("static")
     table = []
     for k in range(1, int(k_max) + 1):
         c = fast_replay(data, PolicySpec(kind="static", k=k), layout)
@@ -148,6 +151,7 @@ def tune_heuristic(
 ) -> tuple[PolicySpec, dict]:
     """The heuristic schedule's start value (cap ``sl_max``)."""
     layout = layout or build_layout(data)
+    cost = cost.for_policy("heuristic")
     table = []
     for st in starts:
         c = fast_replay(data, PolicySpec(kind="heuristic", start=int(st), sl_max=sl_max), layout)
@@ -166,7 +170,7 @@ def evaluate(
     data: ReplayData, spec: PolicySpec, cost: CostModel, *, layout: SlotLayout | None = None
 ) -> dict:
     """Metrics of one policy on a split (fast exact replay)."""
-    return fast_replay(data, spec, layout).metrics(cost)
+    return fast_replay(data, spec, layout).metrics(cost.for_policy(spec))
 
 
 def max_sl_supported(data: ReplayData) -> int | None:

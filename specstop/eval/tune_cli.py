@@ -42,7 +42,9 @@ def add_arguments(p) -> None:
         help="predictor checkpoint, repeatable (NAME defaults to the file name)",
     )
     p.add_argument(
-        "--cost-model", default="llama2-7b-70b", help=f"preset ({', '.join(PRESETS)}) or cost.json"
+        "--cost-model", required=True,
+        help="the latency model to minimise: a cost.json from `specstop calibrate-cost` (this machine), or a "
+        f"preset name ({', '.join(PRESETS)}; not this machine, reports say so)",
     )
     p.add_argument("--out", required=True, help="tuned-policy JSON to write")
     p.add_argument("--sl-max-grid", default="4,8,12,16,20", help="SL_max candidates, comma separated")

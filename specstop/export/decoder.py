@@ -46,7 +46,12 @@ class DecodeResult:
     counters: N, N_target, N_draft, N_discarded, rounds, stop_reason ("eos" | "length").
     round_lengths: K per round (0 for a target-only step).
     accepted_per_round: n per round (accepted drafted tokens, bonus not counted).
-    timings: seconds spent in prefill, draft, target, predictor, total.
+    timings: seconds per phase: ``prefill`` (both models, all prompt tokens but the last),
+        ``draft`` (draft forwards and picks, the catch-up feed of a round's first step included),
+        ``predictor`` (the policy's decision, features included), ``target`` (verification
+        forwards and target-only steps), ``accept`` (comparing/sampling the verified block),
+        ``rollback`` (cache rollback and bookkeeping), ``total``; ``round_seconds`` lists each
+        round's wall time (draft to rollback) for round-cost checks.
     """
 
     token_ids: list[int]
@@ -77,7 +82,7 @@ class _Timer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.totals: dict[str, float] = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "predictor": 0.0}
+        self.totals: dict[str, float] = dict.fromkeys(("prefill", "draft", "predictor", "target", "accept", "rollback"), 0.0)
 
     def now(self) -> float:
         if self.cuda:
@@ -204,13 +209,17 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ main loop
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None) -> DecodeResult:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None, *, max_draft: int | None = None
+    ) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (batch size 1).
 
         Args:
             prompt_ids: the rendered prompt's token ids (non-empty).
             max_new_tokens: length cap; the response never exceeds it.
             seed: seeds the draft samples, the acceptance uniforms and the resampling (sampling only).
+            max_draft: cap every round at this many drafted tokens; 0 is plain target decoding through
+                the same code path (the baseline benchmarks compare against, prefill timed alike).
         """
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: give at least one token (e.g. the chat template's header)")
@@ -234,6 +243,7 @@ class SpeculativeDecoder:
         out: list[int] = []
         rounds_k: list[int] = []
         rounds_n: list[int] = []
+        round_seconds: list[float] = []
         n_target = n_draft = n_discarded = 0
         stop_reason = "length"
         t_start = timer.now()
@@ -250,12 +260,14 @@ class SpeculativeDecoder:
             s = len(out)
             remaining = max_new_tokens - s
             k_cap = min(policy.cap(), remaining - 1)
+            if max_draft is not None:
+                k_cap = min(k_cap, max_draft)
+            t_round = timer.now()
             if k_cap <= 0:
                 # A single target step: a draft could not be verified and still leave room for the bonus.
-                t0 = timer.now()
                 logits, _ = target.feed(seq[target.length :], keep_logits=1)
                 tok = self._pick(logits[-1], None if greedy else self._probs(logits[-1]), gen)
-                timer.add("target", t0)
+                round_seconds.append(timer.add("target", t_round) - t_round)
                 n_target += 1
                 rounds_k.append(0)
                 rounds_n.append(0)
@@ -271,16 +283,18 @@ class SpeculativeDecoder:
             drafted: list[int] = []
             qs: list[torch.Tensor] = []
             feed = seq[draft.length :]
+            t0 = t_round
             for j in range(1, k_cap + 1):
-                t0 = timer.now()
                 logits, hidden = draft.feed(feed, keep_logits=1, hidden=need_hidden, layer=policy.hidden_layer)
                 logits = logits[-1]
-                q = self._probs(logits) if need_q else None
+                q = self._probs(logits) if not greedy else None  # sampling draws y_j from q_j
                 y = self._pick(logits, q, gen)
                 t0 = timer.add("draft", t0)
+                if greedy and need_q:  # only the policy reads q_j: its cost, not the draft's
+                    q = self._probs(logits)
                 # hidden is e_{j-1}: the state after y_{j-1}, from the forward that produced q_j.
                 stop = policy.should_stop(logits, hidden if j > 1 else None, position=s + j - 1, draft_probs=q)
-                timer.add("predictor", t0)
+                t0 = timer.add("predictor", t0)
                 drafted.append(y)
                 if q is not None:
                     qs.append(q)
@@ -290,9 +304,9 @@ class SpeculativeDecoder:
             k = len(drafted)
 
             # ---- verify
-            t0 = timer.now()
             base = len(seq)
             logits, _ = target.feed(seq[target.length :] + drafted, keep_logits=k + 1)  # rows: p_s .. p_{s+K}
+            t0 = timer.add("target", t0)
             if greedy:
                 tgt = logits[:, : self.vocab_size].argmax(-1).tolist()
                 n = 0
@@ -309,7 +323,7 @@ class SpeculativeDecoder:
                     n += 1
                 dist = residual_distribution(p[n], qs[n].to(p.device)) if n < k else p[k]
                 final = int(torch.multinomial(dist.to(gen.device), 1, generator=gen))
-            timer.add("target", t0)
+            t0 = timer.add("accept", t0)
 
             emitted = drafted[:n] + [final]
             for i, t in enumerate(emitted):
@@ -328,6 +342,7 @@ class SpeculativeDecoder:
             # accepted drafted tokens it was fed (y_K never was).
             target.rollback(len(seq) - 1)
             draft.rollback(min(draft.length, base + n))
+            round_seconds.append(timer.add("rollback", t0) - t_round)
             if out and out[-1] in self.eos:
                 stop_reason = "eos"
                 break
@@ -344,7 +359,8 @@ class SpeculativeDecoder:
             "policy": policy.label,
             "batch_size": 1,
         }
-        timings = dict(timer.totals)
+        timings: dict[str, Any] = dict(timer.totals)
         timings["total"] = total
+        timings["round_seconds"] = round_seconds
         text = pair.tokenizer.decode(out, skip_special_tokens=True)
         return DecodeResult(out, text, counters, rounds_k, rounds_n, timings)

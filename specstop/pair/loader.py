@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from specstop.pair.fast_paths import contiguous_output_head
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -34,12 +36,17 @@ class TokenizerMismatchError(ValueError):
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None) -> torch.dtype:
-    """Map a dtype name (or ``auto``) to a torch dtype. ``auto``: bf16 on CUDA, fp32 on CPU."""
+    """Map a dtype name (or ``auto``) to a torch dtype.
+
+    ``auto``: bf16 on CUDA; on a CPU bf16 where it has native bf16 matrix units and a measured check
+    confirms bf16 is faster, float32 otherwise (:mod:`specstop.pair.dtype_choice`).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        on_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
-        return torch.bfloat16 if on_cuda else torch.float32
+        from specstop.pair.dtype_choice import choose_dtype
+
+        return _DTYPES[choose_dtype(device).dtype]
     try:
         return _DTYPES[str(dtype).lower()]
     except KeyError:
@@ -127,6 +134,7 @@ class ModelPair:
     vocab_size: int
     name: str | None = None
     extra: dict = field(default_factory=dict)
+    dtype_choice: dict | None = None
 
     @property
     def draft_device(self) -> torch.device:
@@ -152,7 +160,15 @@ class ModelPair:
             "target": self.target_identity.to_dict(),
             "tokenizer_hash": self.tokenizer_hash,
             "vocab": self.vocab_handling(),
+            "dtype": self.dtype_record(),
         }
+
+    def dtype_record(self) -> dict:
+        """The dtype the pair runs in and why it was chosen (``dtype: auto`` explains itself)."""
+        if self.dtype_choice:
+            return dict(self.dtype_choice)
+        d = self.target_identity.dtype
+        return {"dtype": d, "requested": d, "reason": "models passed in already loaded"}
 
 
 def _input_device(model) -> torch.device:
@@ -228,6 +244,7 @@ def load_model(
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
+    contiguous_output_head(model)
     return model
 
 
@@ -256,9 +273,13 @@ def load_pair(
     draft_tok = load_tokenizer(draft, draft_revision)
     target_tok = load_tokenizer(target, target_revision)
     check_same_tokenizer(draft_tok, target_tok, draft, target)
+    choice = _dtype_record(dtype, device)
+    if dtype in (None, "auto"):
+        log.info("dtype auto -> %s (%s)", choice["dtype"], choice["reason"])
+        dtype = choice["dtype"]
     d_model = load_model(draft, dtype=dtype, device=device, revision=draft_revision)
     t_model = load_model(target, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision)
-    return pair_from_models(
+    pair = pair_from_models(
         d_model,
         t_model,
         target_tok,
@@ -268,6 +289,20 @@ def load_pair(
         target_revision=target_revision,
         name=name,
     )
+    pair.dtype_choice = choice
+    return pair
+
+
+def _dtype_record(dtype, device: str | None) -> dict:
+    """``{"dtype", "requested", "reason", ...}``: what the pair runs in and why (manifests, cost files, reports)."""
+    from specstop.pair.dtype_choice import choose_dtype
+
+    if dtype in (None, "auto"):
+        rec = choose_dtype(device or default_device()).to_dict()
+        rec["requested"] = "auto"
+        return rec
+    name = str(resolve_dtype(dtype)).replace("torch.", "")
+    return {"dtype": name, "requested": str(dtype).replace("torch.", ""), "reason": f"requested {name}"}
 
 
 def pair_from_models(
@@ -296,6 +331,7 @@ def pair_from_models(
     for m in (draft_model, target_model):
         m.eval()
         m.requires_grad_(False)
+        contiguous_output_head(m)
     return ModelPair(
         draft=draft_model,
         target=target_model,

@@ -1,0 +1,347 @@
+"""Online speed check: real decoding, side by side, with a spread - the measurement the replay predicts.
+
+Method (``pipeline``'s online stage and ``benchmarks/online_speedup.py`` both run this):
+
+* every method first runs once on a short generation (warm-up: allocator, kernel choice);
+* then, for each repeat and each prompt, every method runs on that prompt in a shuffled order
+  (interleaved, so drift and background load hit all methods alike);
+* per prompt and method the median over repeats is taken, per prompt the ratio to the baseline
+  (target alone through our decoder's own loop, ``max_draft=0``: same prefill, same cache code),
+  and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
+  prompts (resampling prompts, 2000 times);
+* ``decode`` ratios leave out each method's prompt prefill (both models' prefill for ours). The
+  replay and the cost model predict exactly that phase, so predictions are compared with it:
+  each run's own K histogram priced by the cost model (the same statistic: median of per-prompt
+  predicted ratios), and optionally the eval report's whole-split replay number. A measured /
+  predicted pair more than 10% apart is flagged.
+* measured seconds per round are put beside the cost model's mean round cost
+  sum_r (K_r * t_draft + t_target(K_r)) / rounds for the same rounds: the decoder's own overhead.
+
+Greedy runs are checked token for token against the baseline's output; a difference is listed
+with the target's top-2 logit gap at the first differing token (a bf16 near-tie flip or a bug).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from specstop.eval.replay import add_hists
+
+FLAG_TOLERANCE = 0.10
+CI = 0.90
+BOOTSTRAP = 2000
+
+
+@dataclass
+class Run:
+    """One method on one prompt (one repeat).
+
+    Attributes:
+        tokens: generated ids. seconds: wall time of the whole call. prefill: seconds of prompt
+        prefill inside it (None when the method cannot separate it). k_hist: rounds per drafted
+        length K (ours), rounds: target forwards, phases: per-phase seconds (ours),
+        round_seconds: summed wall time of the rounds (ours).
+    """
+
+    tokens: list[int]
+    seconds: float
+    prefill: float | None = None
+    k_hist: list[int] | None = None
+    rounds: int | None = None
+    phases: dict | None = None
+    round_seconds: float | None = None
+
+    @property
+    def decode_seconds(self) -> float | None:
+        return None if self.prefill is None else self.seconds - self.prefill
+
+
+@dataclass
+class Method:
+    """A way to decode: ``fn(prompt_ids, max_new_tokens) -> Run``; ``spec`` (a PolicySpec) prices its
+    decision cost in predictions; ``kind`` is "baseline", "ours" or "hf"."""
+
+    name: str
+    fn: Callable[[list[int], int], Run]
+    kind: str = "ours"
+    spec: Any = None
+    replay_speedup: float | None = None
+
+
+@dataclass
+class Measurement:
+    """Runs per method per prompt: ``runs[method][prompt] -> [Run per repeat]``."""
+
+    prompts: int
+    repeats: int
+    max_new_tokens: int
+    runs: dict[str, list[list[Run]]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = None, seed: int = 0,
+                   replay_speedup: float | None = None, kind: str = "ours") -> Method:
+    """A :class:`Method` running our :class:`~specstop.export.decoder.SpeculativeDecoder`."""
+
+    def fn(ids: list[int], max_new: int) -> Run:
+        res = decoder.generate(ids, max_new, seed=seed, max_draft=max_draft)
+        hist = np.bincount(np.asarray(res.round_lengths, dtype=np.int64), minlength=1).tolist()
+        t = res.timings
+        return Run(
+            tokens=list(res.token_ids), seconds=t["total"], prefill=t["prefill"], k_hist=hist,
+            rounds=len(res.round_lengths), phases={k: v for k, v in t.items() if isinstance(v, float)},
+            round_seconds=float(sum(t["round_seconds"])),
+        )
+
+    return Method(name, fn, kind, spec, replay_speedup)
+
+
+def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=None) -> Run:
+    """One greedy ``target.generate`` call (optionally assisted, optionally driven by our policy) with a
+    clean generation config, so no checkpoint default (repetition penalty, sampling knobs) applies."""
+    from transformers import GenerationConfig
+
+    from specstop.export.hf_assist import use_policy
+
+    padded = list(range(pair.vocab_size, pair.target_identity.logits_size)) or None
+    gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, repetition_penalty=1.0,
+                          eos_token_id=sorted(_eos(pair)), pad_token_id=pair.tokenizer.pad_token_id,
+                          suppress_tokens=padded)
+    x = torch.tensor([ids], device=pair.target_device)
+    kw = {"assistant_model": assistant} if assistant is not None else {}
+    _sync(pair.target_device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if policy is not None:
+            with use_policy(pair.target, policy, vocab_size=pair.vocab_size):
+                out = pair.target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
+        else:
+            out = pair.target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
+    _sync(pair.target_device)
+    return Run(tokens=_strip_eos(out[0, len(ids):].tolist(), _eos(pair)), seconds=time.perf_counter() - t0)
+
+
+def hf_target_method(name: str, pair) -> Method:
+    """The target alone through HF ``generate`` (what users compare with)."""
+    return Method(name, lambda ids, max_new: _hf_generate(pair, ids, max_new), "hf")
+
+
+def hf_policy_method(name: str, pair, policy) -> Method:
+    """HF assisted generation whose draft length our policy decides (:mod:`specstop.export.hf_assist`)."""
+    return Method(name, lambda ids, max_new: _hf_generate(pair, ids, max_new, assistant=pair.draft, policy=policy),
+                  "hf", policy.spec)
+
+
+def hf_assisted_method(name: str, pair, *, num_assistant_tokens: int = 20, schedule: str = "constant",
+                       confidence: float | None = 0.4) -> Method:
+    """HF assisted generation, greedy. Defaults are transformers' own: 20 tokens, constant schedule,
+    confidence threshold 0.4 (HF reads these from the assistant's generation config)."""
+
+    def fn(ids: list[int], max_new: int) -> Run:
+        dgc = pair.draft.generation_config
+        saved = (dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule, dgc.assistant_confidence_threshold)
+        dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule = num_assistant_tokens, schedule
+        dgc.assistant_confidence_threshold = confidence
+        try:
+            return _hf_generate(pair, ids, max_new, assistant=pair.draft)
+        finally:
+            dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule, dgc.assistant_confidence_threshold = saved
+
+    return Method(name, fn, "hf")
+
+
+def _eos(pair) -> set[int]:
+    from specstop.export.decoder import eos_token_ids
+
+    return eos_token_ids(pair)
+
+
+def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, repeats: int = 2,
+            warmup_tokens: int = 8, seed: int = 0, progress: bool = True) -> Measurement:
+    """Run every method on every prompt ``repeats`` times, interleaved (see module docstring)."""
+    from tqdm.auto import tqdm
+
+    if not prompts:
+        raise ValueError("the online check needs at least one prompt")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    t0 = time.perf_counter()
+    for m in methods:  # warm-up
+        m.fn(prompts[0], min(warmup_tokens, max_new_tokens))
+    meas = Measurement(len(prompts), repeats, max_new_tokens,
+                       {m.name: [[] for _ in prompts] for m in methods})
+    rng = random.Random(seed)
+    bar = tqdm(total=repeats * len(prompts) * len(methods), unit="run", desc="online check", disable=not progress)
+    for _ in range(repeats):
+        for i, ids in enumerate(prompts):
+            order = list(methods)
+            rng.shuffle(order)
+            for m in order:
+                meas.runs[m.name][i].append(m.fn(ids, max_new_tokens))
+                bar.update(1)
+    bar.close()
+    meas.seconds = time.perf_counter() - t0
+    return meas
+
+
+def bootstrap_median(values: list[float], *, ci: float = CI, n: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float, float]:
+    """Median of ``values`` and its bootstrap ``ci`` interval (resampling the values)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    meds = np.median(v[rng.integers(0, len(v), size=(n, len(v)))], axis=1)
+    lo, hi = np.percentile(meds, [50 * (1 - ci), 50 * (1 + ci)])
+    return float(np.median(v)), float(lo), float(hi)
+
+
+def _per_prompt_median(runs: list[list[Run]], attr: str) -> list[float | None]:
+    out = []
+    for rs in runs:
+        vals = [getattr(r, attr) for r in rs]
+        out.append(None if any(v is None for v in vals) else statistics.median(vals))
+    return out
+
+
+def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=None,
+              tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None) -> dict:
+    """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags."""
+    base = meas.runs[baseline]
+    base_total = _per_prompt_median(base, "seconds")
+    base_decode = _per_prompt_median(base, "decode_seconds")
+    base_tokens = [rs[0].tokens for rs in base]
+    rows = {}
+    for m in methods:
+        runs = meas.runs[m.name]
+        total = _per_prompt_median(runs, "seconds")
+        decode = _per_prompt_median(runs, "decode_seconds")
+        r_total = [b / t for b, t in zip(base_total, total)]
+        row: dict[str, Any] = {"kind": m.kind, "speedup": bootstrap_median(r_total)}
+        if all(d is not None for d in decode) and all(b is not None for b in base_decode):
+            row["decode_speedup"] = bootstrap_median([b / d for b, d in zip(base_decode, decode)])
+        toks = [len(rs[0].tokens) for rs in runs]
+        row["tokens"] = int(sum(toks))
+        row["tok_s"] = statistics.median(len(r.tokens) / r.seconds for rs in runs for r in rs)
+        row["greedy_diffs"] = sum(rs[0].tokens != bt for rs, bt in zip(runs, base_tokens))
+        if runs[0][0].k_hist is not None:
+            hists = [np.asarray(functools.reduce(add_hists, [r.k_hist for r in rs])) for rs in runs]  # per prompt
+            n_round = sum(int(h.sum()) for h in hists)
+            k_tot = sum(int((np.arange(len(h)) * h).sum()) for h in hists)
+            row["rounds"] = n_round
+            row["tokens_per_round"] = sum(len(r.tokens) for rs in runs for r in rs) / max(n_round, 1)
+            row["drafted_per_round"] = k_tot / max(n_round, 1)
+            round_secs = sum(r.round_seconds for rs in runs for r in rs)
+            row["round_seconds"] = round_secs / max(n_round, 1)
+            ph = {}
+            for rs in runs:
+                for r in rs:
+                    for k, v in (r.phases or {}).items():
+                        ph[k] = ph.get(k, 0.0) + v
+            row["phases_per_round"] = {k: v / max(n_round, 1) for k, v in ph.items() if k not in ("total", "prefill")}
+            if cost is not None:
+                c = cost.for_policy(m.spec) if m.spec is not None else cost
+                row["predicted_round_seconds"] = float(sum(c.total_hist(h) for h in hists) / max(n_round, 1))
+                row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0
+                if m.kind != "baseline":
+                    n_tok = [sum(len(r.tokens) for r in rs) for rs in runs]
+                    pred = [c.single_step * n / float(c.total_hist(h)) for n, h in zip(n_tok, hists)]
+                    row["predicted_decode_speedup"] = float(np.median(pred))
+        if m.replay_speedup is not None:
+            row["replay_speedup"] = m.replay_speedup
+        meas_dec = (row.get("decode_speedup") or (None,))[0]
+        flags = []
+        for key in ("predicted_decode_speedup", "replay_speedup"):
+            p = row.get(key)
+            if p and meas_dec and abs(meas_dec / p - 1.0) > tolerance:
+                flags.append(f"measured {meas_dec:.2f}x vs {key.replace('_', ' ')} {p:.2f}x "
+                             f"({100 * (meas_dec / p - 1):+.0f}%)")
+        row["flags"] = flags
+        rows[m.name] = row
+    return {"baseline": baseline, "prompts": meas.prompts, "repeats": meas.repeats,
+            "max_new_tokens": meas.max_new_tokens, "seconds": meas.seconds, "tolerance": tolerance,
+            "ci": CI, "rows": rows, "flips": flips or [],
+            "all_identical": all(r["greedy_diffs"] == 0 for r in rows.values())}
+
+
+@torch.no_grad()
+def greedy_flips(pair, prompts: list[list[int]], meas: Measurement, baseline: str) -> list[dict]:
+    """Every greedy difference from the baseline's output, with the target's top-2 logit gap (float32
+    logits of one forward over the shared prefix) at the first differing token."""
+    out = []
+    for name, runs in meas.runs.items():
+        if name == baseline:
+            continue
+        for i, rs in enumerate(runs):
+            ref, got = meas.runs[baseline][i][0].tokens, rs[0].tokens
+            if ref == got:
+                continue
+            j = next((t for t, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            x = torch.tensor([prompts[i] + ref[:j]], device=pair.target_device)
+            logits = pair.target(input_ids=x, logits_to_keep=1).logits[0, -1, : pair.vocab_size].float()
+            top2 = logits.topk(2).values
+            out.append({"method": name, "prompt": i, "token": j, "target_token": ref[j] if j < len(ref) else None,
+                        "method_token": got[j] if j < len(got) else None, "top2_gap": float(top2[0] - top2[1])})
+    return out
+
+
+def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
+    """The online table: measured (median, 90% interval) beside predicted, per method; flags; flips."""
+    rows = summary["rows"]
+    lines = [
+        f"Measured on {summary['prompts']} prompts x {summary['repeats']} repeats x {summary['max_new_tokens']} "
+        f"tokens, methods interleaved per prompt after a warm-up; speedup = median over prompts of "
+        f"(baseline seconds / method seconds), [{int(100 * summary['ci'])}% bootstrap interval]; baseline: "
+        f"`{summary['baseline']}`. decode = prompt prefill left out (what the replay predicts).",
+        "",
+        "| method | speedup | decode speedup | predicted (cost model, these runs) | replay (test split) | tokens/round | s/round measured | s/round K*t_draft+t_target(K) | greedy diffs | flag |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in rows.items():
+        sp = r["speedup"]
+        dec = r.get("decode_speedup")
+        lines.append(
+            f"| {name} | {sp[0]:.2f}x [{sp[1]:.2f}, {sp[2]:.2f}] | "
+            + (f"{dec[0]:.2f}x [{dec[1]:.2f}, {dec[2]:.2f}]" if dec else "-")
+            + f" | {_x(r.get('predicted_decode_speedup'))} | {_x(r.get('replay_speedup'))} | "
+            + (f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-")
+            + f" | {_s(r.get('round_seconds'))} | {_s(r.get('predicted_round_seconds'))} | {r['greedy_diffs']} | "
+            + ("; ".join(r["flags"]) if r["flags"] else "")
+            + " |"
+        )
+    flips = summary.get("flips") or []
+    if flips:
+        lines += ["", "Greedy differences from the target alone (first differing token, target's top-2 logit gap):"]
+        for f in flips:
+            near = "near-tie" if f["top2_gap"] < flip_epsilon else "NOT a near-tie"
+            lines.append(f"- {f['method']}, prompt {f['prompt']}, token {f['token']}: gap {f['top2_gap']:.4f} ({near}, "
+                         f"epsilon {flip_epsilon})")
+    return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.3f}"

@@ -1,0 +1,65 @@
+"""The output-head contiguity fix and the ``dtype: auto`` choice."""
+
+from __future__ import annotations
+
+import torch
+
+from specstop.pair import dtype_choice
+from specstop.pair.fast_paths import _dense, contiguous_output_head
+from specstop.testing import tiny_causal_lm
+
+
+def test_output_head_gets_row_major_input_and_same_logits():
+    model = tiny_causal_lm(64, seed=3)
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    ref = model(input_ids=ids).logits[:, -1:]
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(a[0]))
+    contiguous_output_head(model)
+    contiguous_output_head(model)  # idempotent: one hook
+    out = model(input_ids=ids, logits_to_keep=1).logits
+    torch.testing.assert_close(out, ref)
+    x = seen[-1]
+    assert x.shape[1] == 1 and x.storage_offset() == 0 and _dense(x)
+
+
+def test_dense_strides():
+    h = torch.zeros(1, 2, 8)
+    assert _dense(h)
+    assert not _dense(h[:, -1:, :].as_strided((1, 1, 8), (16, 8, 1)))
+
+
+def test_auto_is_float32_without_bf16_units(monkeypatch):
+    monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx2", "fma"})
+    c = dtype_choice.choose_dtype("cpu")
+    assert c.dtype == "float32" and "no native bf16" in c.reason
+
+
+def test_auto_needs_a_measured_gain(monkeypatch, tmp_cache):
+    monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    gains = {"gain_m1": 1.0, "gain_m8": 2.5, "float32_ms_m1": 1, "bfloat16_ms_m1": 1,
+             "float32_ms_m8": 2.5, "bfloat16_ms_m8": 1}
+    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: dict(gains))
+    c = dtype_choice.choose_dtype("cpu")
+    assert c.dtype == "bfloat16" and "amx_bf16" in c.reason and "2.50x at 8 rows" in c.reason
+    # Cached per CPU: a second call does not measure again.
+    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: (_ for _ in ()).throw(AssertionError))
+    assert dtype_choice.choose_dtype("cpu").dtype == "bfloat16"
+
+
+def test_auto_refuses_bf16_that_is_not_faster(monkeypatch, tmp_cache):
+    monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: {"gain_m1": 0.5, "gain_m8": 1.0})
+    c = dtype_choice.choose_dtype("cpu")
+    assert c.dtype == "float32" and "not faster" in c.reason
+
+
+def test_pair_records_its_dtype_choice(tiny_pair_dir):
+    from specstop.pair import load_named_pair
+
+    pair = load_named_pair(str(tiny_pair_dir), dtype="float32", device="cpu")
+    rec = pair.to_dict()["dtype"]
+    assert rec["dtype"] == "float32" and rec["requested"] == "float32"
