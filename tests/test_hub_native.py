@@ -149,3 +149,16 @@ def test_custom_generate_needs_the_draft(pair, exports):
     x = torch.tensor([tiny_prompts(pair, ("hi",))[0]])
     with pytest.raises(ValueError, match="assistant_model"):
         pair.target.generate(x, max_new_tokens=4, custom_generate=str(exports["disco"]), trust_remote_code=True)
+
+
+def test_export_for_hf_writes_settings_and_the_custom_generate_folder(exports, tmp_path, capsys):
+    from specstop.cli import main
+
+    tuned = exports["disco"].parent / "tuned.json"
+    out = tmp_path / "hf"
+    assert main(["export", "--tuned", str(tuned), "--out", str(out), "--for", "hf"]) == 0
+    settings = json.loads((out / "hf.json").read_text())
+    learned = settings["options"]["disco"]  # the learned predictor with the lowest validation latency
+    assert learned["generate_kwargs"] == {"custom_generate": str(out.resolve()), "trust_remote_code": True}
+    assert (out / "custom_generate" / "generate.py").is_file() and (out / "model.safetensors").is_file()
+    assert "custom_generate=" in capsys.readouterr().out

@@ -68,16 +68,17 @@ def run(args: argparse.Namespace) -> int:
 
     checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
     engines = args.engines or []
+    policy = _learned_policy(args.tuned, args.policy) if "hf" in engines else args.policy
     if engines:
         from specstop.export.engines import summary_line, write_engine_settings
 
-        paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name)
+        paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name,
+                                      hf_policy=policy)
         for path in paths.values():
             print(summary_line(json.loads(path.read_text())))
             print(f"  wrote {path}")
         if "hf" not in engines:
             return 0
-    policy = _learned_policy(args.tuned, args.policy) if engines else args.policy
     config = export_from_files(
         args.out,
         tuned=args.tuned,

@@ -129,7 +129,8 @@ def _pair_names(tuned: dict, manifest: dict | None) -> tuple[str, str]:
 
 
 def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, draft: str | None = None,
-                    target: str | None = None, tuned_path: str | None = None) -> dict[str, Any]:
+                    target: str | None = None, tuned_path: str | None = None,
+                    hf_export: tuple[str, str] | None = None) -> dict[str, Any]:
     """The settings file for ``engine`` from a tuned-policy dict.
 
     Args:
@@ -137,6 +138,8 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         engine: one of :data:`ENGINES`.
         manifest: the tuning dataset's manifest (names the draft and target), optional.
         draft, target: model names or files to write into commands (default: the manifest's).
+        hf_export: ``(policy name, export folder)`` of a learned policy exported for HF: added as an
+            option that runs through ``generate(custom_generate=folder)``.
 
     Returns:
         ``{"engine", "recommended", "options": {policy: settings}, "cost_model", "source", ...}``;
@@ -157,6 +160,12 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         body = {"hf": lambda e: _hf(e), "vllm": lambda e: _vllm(e, draft, target),
                 "llamacpp": lambda e: _llamacpp(e, draft, target), "sglang": lambda e: _sglang(e, draft, target)}[engine](entry)
         options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
+    if engine == "hf" and hf_export is not None:
+        name, folder = hf_export
+        entry = _policy(tuned, name)
+        if entry is not None:
+            options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
+                             "generate_kwargs": {"custom_generate": folder, "trust_remote_code": True}}
     if not options:
         raise ValueError(
             f"the tuned file has none of the policies {engine} can express ({', '.join(_SUPPORTED[engine])}); "
@@ -182,8 +191,11 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
 
 
 def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list[str], *, draft: str | None = None,
-                          target: str | None = None) -> dict[str, Path]:
-    """Write ``OUT/<engine>.json`` for each engine. Returns ``{engine: path}``."""
+                          target: str | None = None, hf_policy: str | None = None) -> dict[str, Path]:
+    """Write ``OUT/<engine>.json`` for each engine. Returns ``{engine: path}``.
+
+    ``hf_policy``: the learned policy exported into ``OUT`` for ``custom_generate`` (an hf option).
+    """
     from specstop.export.export import _read_manifest, read_tuned
 
     tuned = read_tuned(tuned_path)
@@ -192,7 +204,8 @@ def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for engine in engines:
-        settings = engine_settings(tuned, engine, manifest=manifest, draft=draft, target=target, tuned_path=str(tuned_path))
+        settings = engine_settings(tuned, engine, manifest=manifest, draft=draft, target=target, tuned_path=str(tuned_path),
+                                   hf_export=(hf_policy, str(out.resolve())) if hf_policy else None)
         path = out / f"{engine}.json"
         path.write_text(json.dumps(settings, indent=2) + "\n")
         paths[engine] = path
