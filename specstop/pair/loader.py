@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from specstop.pair.fast_paths import contiguous_output_head
+from specstop.pair.fast_paths import install_fast_paths
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def load_model(
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
-    contiguous_output_head(model)
+    install_fast_paths(model)
     return model
 
 
@@ -331,7 +331,7 @@ def pair_from_models(
     for m in (draft_model, target_model):
         m.eval()
         m.requires_grad_(False)
-        contiguous_output_head(m)
+        install_fast_paths(m)
     return ModelPair(
         draft=draft_model,
         target=target_model,
