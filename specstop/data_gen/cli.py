@@ -17,6 +17,7 @@ import argparse
 import logging
 
 from specstop.data_gen.config import DataGenConfig, load_config, set_path
+from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def build_config(args: argparse.Namespace) -> DataGenConfig:
             set_path(cfg, path, v)
     if getattr(args, "prompt_field", None):
         if getattr(args, "template", None):
-            raise ValueError("give --prompt-field or --template, not both")
+            raise UserError("give --prompt-field or --template, not both")
         cfg.prompts.template = f"field:{args.prompt_field}"
     if getattr(args, "rollouts_on", None) is not None:
         cfg.labels.rollouts.splits = args.rollouts_on
@@ -130,7 +131,7 @@ def load_records(cfg: DataGenConfig) -> list:
 
     pc = cfg.prompts
     if not pc.source:
-        raise ValueError("no prompts given: pass --prompts FILE.jsonl (or set prompts.source in the config)")
+        raise UserError("no prompts given: pass --prompts FILE.jsonl (or set prompts.source in the config)")
     return load_prompt_set(pc)
 
 
@@ -139,10 +140,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     if not cfg.out:
-        raise ValueError("no output folder: pass --out DIR (or set out: in the config)")
+        raise UserError("no output folder: pass --out DIR (or set out: in the config)")
     records = load_records(cfg)
     if not records:
-        raise ValueError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
+        raise UserError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
     if args.merge:
         path = write_manifest(cfg.out, cfg, plan_shards(records, cfg.prompts_per_shard))
         print(path)

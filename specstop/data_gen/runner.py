@@ -29,6 +29,7 @@ from specstop.data_gen.storage import (
     shard_name,
     write_shard,
 )
+from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def plan_shards(records: Sequence, prompts_per_shard: int) -> list[ShardPlan]:
     seen = set()
     for r in records:
         if r.prompt_id in seen:
-            raise ValueError(f"prompt id {r.prompt_id!r} occurs twice; prompt ids must be unique (set id_field)")
+            raise UserError(f"prompt id {r.prompt_id!r} occurs twice; prompt ids must be unique (set id_field)")
         seen.add(r.prompt_id)
     splits = sorted(by_split, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else len(SPLIT_ORDER), s))
     plan, ordinal = [], 0
@@ -80,7 +81,7 @@ def worker_from_env(num_shards: int | None, shard_index: int | None) -> tuple[in
     n = num_shards if num_shards is not None else int(os.environ.get("WORLD_SIZE", "1"))
     i = shard_index if shard_index is not None else int(os.environ.get("RANK", "0"))
     if n < 1 or not 0 <= i < n:
-        raise ValueError(f"--shard-index must be in [0, --num-shards) and --num-shards >= 1; got index {i} of {n}")
+        raise UserError(f"--shard-index must be in [0, --num-shards) and --num-shards >= 1; got index {i} of {n}")
     return n, i
 
 
@@ -91,7 +92,7 @@ def _shard_status(out_dir: Path, plan: ShardPlan, fingerprint: str) -> str:
         return "missing"
     meta = (read_shard_record(path) or {}).get("meta", {})
     if meta.get("fingerprint") != fingerprint:
-        raise ValueError(
+        raise UserError(
             f"{path} was written with other label settings (fingerprint {meta.get('fingerprint')} != {fingerprint}); "
             "a dataset must not mix settings: use a new --out, or delete that folder to start over"
         )
@@ -102,7 +103,7 @@ def check_no_foreign_shards(out_dir: Path, plan: Sequence[ShardPlan]) -> None:
     names = {p.name for p in plan}
     foreign = [p.name for p in complete_shards(out_dir) if p.name not in names]
     if foreign:
-        raise ValueError(
+        raise UserError(
             f"{out_dir} holds shards that this prompt set does not produce: {', '.join(foreign[:5])}"
             f"{' ...' if len(foreign) > 5 else ''} (from a run with another prompt set, --limit or "
             "prompts_per_shard?); use a new --out, or delete them"
@@ -150,7 +151,7 @@ def generate_dataset(
     # Fail before any model work rather than hours into a run.
     empty = [r.prompt_id for r in records if not str(r.text).strip()]
     if empty:
-        raise ValueError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
+        raise UserError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
     plan = plan_shards(records, cfg.prompts_per_shard)
     check_no_foreign_shards(out, plan)
     fp = cfg.label_fingerprint()
@@ -227,7 +228,7 @@ def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[Shard
     fp = cfg.label_fingerprint()
     missing = [p.name for p in plan if _shard_status(out, p, fp) != "done"]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"cannot write the manifest: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}); run the remaining workers (or rerun) first"
         )

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from specstop.data_gen.schema import TABLES, features_for
+from specstop.errors import MissingInputError, UserError
+from specstop.names import check_plain_name
 
 COMPLETE_MARKER = "_COMPLETE.json"
 MANIFEST = "manifest.json"
@@ -37,7 +39,8 @@ def shards_root(out_dir: str | Path) -> Path:
 
 
 def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}"
+    """``<split>-<index:05d>``; the split must be a plain name (the shard folder stays inside the dataset)."""
+    return f"{check_plain_name(split, 'split name')}-{index:05d}"
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -202,7 +205,7 @@ def complete_shards(out_dir: str | Path, split: str | None = None) -> list[Path]
 def read_manifest(out_dir: str | Path) -> dict:
     p = Path(out_dir) / MANIFEST
     if not p.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{out_dir} has no {MANIFEST}: not a specstop dataset, or `specstop generate` has not finished "
             "(rerun it: finished shards are kept)"
         )
@@ -214,7 +217,7 @@ def load_table(out_dir: str | Path, table: str, split: str | None = None):
     from datasets import concatenate_datasets, load_from_disk
 
     if table not in TABLES:
-        raise ValueError(f"unknown table {table!r}; tables are {TABLES}")
+        raise UserError(f"unknown table {table!r}; tables are {TABLES}")
     parts = []
     for p in complete_shards(out_dir, split):
         # An empty table is saved without any .arrow file, which load_from_disk cannot open:

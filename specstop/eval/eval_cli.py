@@ -10,6 +10,8 @@ import json
 import logging
 from pathlib import Path
 
+from specstop.config_io import check_range
+from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import load_cost_model
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.report import build_report, write_report
@@ -33,15 +35,16 @@ def add_arguments(p) -> None:
 def read_tuned(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"no tuned-policy file at {p}; run `specstop tune ... --out {p}` first")
+        raise MissingInputError(f"no tuned-policy file at {p}; run `specstop tune ... --out {p}` first")
     tuned = json.loads(p.read_text())
     if tuned.get("schema_version") != 1 or "policies" not in tuned:
-        raise ValueError(f"{p} is not a specstop tuned-policy file (schema_version 1 with 'policies')")
+        raise UserError(f"{p} is not a specstop tuned-policy file (schema_version 1 with 'policies')")
     tuned["_path"] = str(p)
     return tuned
 
 
 def run(args) -> int:
+    check_range("--mc-repeats", args.mc_repeats, low=1)
     tuned = read_tuned(args.tuned)
     cost = load_cost_model(args.cost_model or tuned["cost_model"])
     data = load_replay_data(args.data, args.split)

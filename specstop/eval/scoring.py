@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstop.errors import UserError
 from specstop.eval.episodes import ReplayData
 
 BATCH = 65536
@@ -55,12 +56,12 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
     r_steps = getattr(data, "_rollout_steps", np.zeros(0, dtype=np.int64))
     if spec.kind == "hidden":
         if not man["labels"].get("hidden_states"):
-            raise ValueError(
+            raise UserError(
                 f"predictor {key!r} reads draft hidden states but {data_dir} has none; regenerate with "
                 "hidden states (labels.hidden_states: true) or use a dist predictor"
             )
         if int(man["labels"]["hidden_size"]) != spec.hidden_size:
-            raise ValueError(
+            raise UserError(
                 f"predictor {key!r} expects hidden size {spec.hidden_size} but {data_dir} stores "
                 f"{man['labels']['hidden_size']}: it was trained on another draft model"
             )
@@ -153,6 +154,6 @@ def parse_checkpoint_args(items) -> dict:
         if not sep:
             name, path = Path(item).stem, item
         if not name or not path:
-            raise ValueError(f"--checkpoint {item!r}: use NAME=PATH")
+            raise UserError(f"--checkpoint {item!r}: use NAME=PATH")
         out[name] = path
     return out

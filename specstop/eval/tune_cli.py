@@ -13,6 +13,7 @@ import logging
 import time
 from pathlib import Path
 
+from specstop.errors import UserError
 from specstop.eval.cost import PRESETS, load_cost_model
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
@@ -53,9 +54,9 @@ def _ints(text: str) -> list[int]:
     try:
         vals = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise UserError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
-        raise ValueError(f"expected positive integers, got {text!r}")
+        raise UserError(f"expected positive integers, got {text!r}")
     return vals
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from specstop import __version__
+from specstop.errors import MissingInputError, UserError
 from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
 from specstop.models import StoppingPredictor, build_predictor
 from specstop.policy import PolicySpec
@@ -40,7 +41,7 @@ __all__ = ["ExportError", "export_policy", "load_checkpoint", "read_tuned", "val
 MAX_EXPORT_DIFF = 1e-6
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """The inputs cannot make a valid export (the message says what to fix)."""
 
 
@@ -54,7 +55,7 @@ def load_checkpoint(path: str | Path) -> tuple[StoppingPredictor, dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `specstop train`)")
+        raise MissingInputError(f"checkpoint {path} does not exist (train one with `specstop train`)")
     try:
         from specstop.models.checkpoint import load_predictor
     except ImportError:
@@ -79,7 +80,7 @@ def read_tuned(path: str | Path) -> dict:
     """Read a tuned-policy file (design.md "Tuned-policy files")."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tuned-policy file {path} does not exist (write one with `specstop tune`)")
+        raise MissingInputError(f"tuned-policy file {path} does not exist (write one with `specstop tune`)")
     tuned = json.loads(path.read_text())
     if tuned.get("schema_version") != 1 or "policies" not in tuned:
         raise ExportError(

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from specstop.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -29,7 +31,7 @@ _DTYPES = {
 }
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError):
     """The draft and target tokenizers differ, so the pair cannot do speculative decoding."""
 
 

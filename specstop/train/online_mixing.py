@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from specstop.data_gen.storage import load_arrays, read_manifest
+from specstop.errors import UserError
 from specstop.train.data import SPLITS
 from specstop.train.module import PredictorModule
 
@@ -63,11 +64,11 @@ def load_sequence_split(data_dir: str, split: str, label: str) -> SequenceSplit:
     where = np.clip(where, 0, len(ids) - 1)
     seq_idx = order[where]
     if len(ids) and not np.all(ids[seq_idx] == tok["prompt_id"].astype(str)):
-        raise ValueError(f"{data_dir} split {split!r}: tokens rows refer to prompts missing from the sequences table")
+        raise UserError(f"{data_dir} split {split!r}: tokens rows refer to prompts missing from the sequences table")
     pos = tok["position"].astype(np.int64)
     flat = r_off[seq_idx].astype(np.int64) + pos
     if np.any(pos >= (r_off[seq_idx + 1] - r_off[seq_idx])):
-        raise ValueError(f"{data_dir} split {split!r}: a tokens row's position lies beyond its response")
+        raise UserError(f"{data_dir} split {split!r}: a tokens row's position lies beyond its response")
     draft = np.array(r_flat, dtype=np.int64, copy=True)
     lab = np.full(len(r_flat), np.nan, dtype=np.float32)
     draft[flat] = tok["draft_token"]
@@ -173,13 +174,13 @@ class OnlineMixingDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if label not in MIX_LABELS:
-            raise ValueError(f"online mixing trains on {MIX_LABELS}; got label {label!r}")
+            raise UserError(f"online mixing trains on {MIX_LABELS}; got label {label!r}")
         self.data_dir, self.label, self.batch_size = str(data_dir), label, batch_size
         self.manifest = read_manifest(self.data_dir)
         labels = self.manifest.get("labels", {})
         rate = mixing_rate if mixing_rate is not None else (labels.get("mixing") or {}).get("rate") or 0.15
         if not 0.0 <= rate < 1.0:
-            raise ValueError(f"mixing_rate r must be in [0, 1) (fraction of target tokens), got {rate}")
+            raise UserError(f"mixing_rate r must be in [0, 1) (fraction of target tokens), got {rate}")
         self.mixing_rate, self.max_length, self.seed = float(rate), max_length, seed
         self.k: int = int(labels.get("topk_k", 10))
         self.hidden_size: int | None = None
@@ -190,7 +191,7 @@ class OnlineMixingDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is not None and getattr(module, "label", self.label) != self.label:
-            raise ValueError(f"data.label={self.label!r} but model.label={module.label!r}; make them equal")
+            raise UserError(f"data.label={self.label!r} but model.label={module.label!r}; make them equal")
         wanted = {"fit": ("train", "validation"), "validate": ("validation",), "test": ("test",)}.get(stage or "", SPLITS)
         for split in wanted:
             if split not in self.splits and (self.manifest.get("splits", {}).get(split, {}).get("prompts", 1) > 0):
@@ -201,7 +202,7 @@ class OnlineMixingDataModule(L.LightningDataModule):
             for b in range(a + 1, len(names)):
                 both = ids[names[a]] & ids[names[b]]
                 if both:
-                    raise ValueError(f"prompt {sorted(both)[0]!r} is in both {names[a]!r} and {names[b]!r}; regenerate the dataset")
+                    raise UserError(f"prompt {sorted(both)[0]!r} is in both {names[a]!r} and {names[b]!r}; regenerate the dataset")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         ds = MixedBatches(self.splits[split], self.batch_size, self.mixing_rate, self.seed, train, self.pad_id, self.max_length)
@@ -262,12 +263,12 @@ class OnlineMixingModule(PredictorModule):
         cfg = AutoConfig.from_pretrained(draft)
         width = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
         if hidden_size is not None and hidden_size != width:
-            raise ValueError(f"the dataset's hidden states are {hidden_size} wide but draft {draft!r} is {width} wide")
+            raise UserError(f"the dataset's hidden states are {hidden_size} wide but draft {draft!r} is {width} wide")
         super().__init__(
             family, predictor_config, label, w_acc, w_rej, lr, weight_decay, schedule, width, k, f1_threshold
         )
         if not self.predictor.feature_spec.reads_hidden:
-            raise ValueError(f"online mixing trains hidden-state predictors; {family!r} reads {self.predictor.feature_spec.kind!r}")
+            raise UserError(f"online mixing trains hidden-state predictors; {family!r} reads {self.predictor.feature_spec.kind!r}")
         from specstop.pair.loader import load_model
 
         self.draft = load_model(draft, dtype=draft_dtype, device="cpu")
