@@ -45,6 +45,26 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise UserError(f"{where}: malformed YAML: {detail}; fix the file at that line") from None
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """Parse a JSON file we or the user wrote (tuned policies, cost models, manifests).
+
+    Raises:
+        MissingInputError: no such file.
+        UserError: not UTF-8 or not valid JSON (names the file and line).
+    """
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise MissingInputError(f"{what} {p} does not exist")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a UTF-8 text file; give the {what} (JSON)") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{p}:{err.lineno}: not valid JSON ({err.msg}); fix or regenerate the {what}") from None
+
+
 def describe_type(hint: Any) -> str:
     """A reader's name for a type hint (``an integer``, ``a list of strings`` ...)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -152,7 +152,7 @@ def _advice() -> str:
 
 def low_memory_message(status: MemoryStatus, reserve: int) -> str:
     return (
-        f"{current_stage()}: stopped before the machine runs out of memory: {fmt_bytes(status.available)} available, "
+        f"stopped in {current_stage()} before the machine runs out of memory: {fmt_bytes(status.available)} available, "
         f"below the {fmt_bytes(reserve)} reserve (this process uses {fmt_bytes(status.rss)} RSS of "
         f"{fmt_bytes(status.total)}). Finished work is kept: rerun the same command to resume. "
         f"To need less memory: {_advice()} (${RESERVE_ENV} sets the reserve)."
@@ -181,7 +181,7 @@ def check_fits(need: int, what: str, advice: str) -> None:
     reserve = reserve_bytes(status.total)
     if need > status.available - reserve:
         raise ResourceLimitError(
-            f"{current_stage()}: {what} needs about {fmt_bytes(need)} but only {fmt_bytes(status.available)} is "
+            f"{what} needs about {fmt_bytes(need)} but only {fmt_bytes(status.available)} is "
             f"available ({fmt_bytes(reserve)} kept in reserve, this process already uses {fmt_bytes(status.rss)} RSS); "
             f"{advice}, or free memory (${RESERVE_ENV} sets the reserve)."
         )
@@ -229,7 +229,7 @@ class _Monitor(threading.Thread):
 
 def _on_signal(_signum, _frame) -> None:
     message = _monitor.tripped if _monitor is not None else None
-    raise ResourceLimitError(message or f"{current_stage()}: stopped: memory ran low")
+    raise ResourceLimitError(message or f"stopped in {current_stage()}: memory ran low")
 
 
 @contextlib.contextmanager

@@ -122,7 +122,8 @@ class PipelineConfig:
 
     def validate(self, source: str = "the pipeline config") -> None:
         """Check ranges, family names and the generate configs before any stage runs."""
-        from specstop.data_gen.config import check_dtype_name, config_from_dict
+        from specstop.data_gen.config import config_from_dict
+        from specstop.pair.preflight import check_dtype_name
 
         check_range("online_prompts", self.online_prompts, low=0)
         check_range("online_max_new_tokens", self.online_max_new_tokens, low=1)
@@ -192,7 +193,19 @@ def _find_best_checkpoint(root: Path) -> tuple[str, dict]:
 
 
 def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
-    """Run (or resume) the pipeline; returns the summary dict also written to report.json."""
+    """Run (or resume) the pipeline; returns the summary dict also written to report.json.
+
+    The run folder is locked for the run (a second pipeline on it is refused; a lock left by a
+    killed run is detected by its pid and taken over).
+    """
+    from specstop.outputs import claim_output_dir
+
+    with claim_output_dir(cfg.run_dir, command=f"specstop pipeline (run_dir {cfg.run_dir})"):
+        return _run_stages(cfg, force=force)
+
+
+def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
+    """:func:`run_pipeline` once the run folder is claimed."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir, force=force)
@@ -294,7 +307,8 @@ def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
     tuned_doc = json.loads(tuned.read_text())
     policy_name = tuned_doc.get("best") if cfg.export_policy == "best" else cfg.export_policy
     family = (tuned_doc.get("policies", {}).get(policy_name, {}).get("spec") or {}).get("family")
-    export_argv = ["export", "--tuned", str(tuned), "--policy", str(policy_name), "--out", str(export_dir)]
+    # --overwrite: the stage reruns only when its inputs changed, and then replaces its own export.
+    export_argv = ["export", "--tuned", str(tuned), "--policy", str(policy_name), "--out", str(export_dir), "--overwrite"]
     if family and family in checkpoints:
         export_argv += ["--checkpoint", checkpoints[family]]
     runner.run(

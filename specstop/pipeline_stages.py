@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specstop.data_gen.storage import atomic_write_json, read_json_or_none
-from specstop.errors import UserError
+from specstop.errors import ResourceLimitError, UserError
 from specstop.memory import guarded_stage
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,10 @@ class StageRunner:
                 outputs = fn() or {}
         except BaseException as err:
             self.results.append(StageResult(name, "failed", time.perf_counter() - t0, fp))
-            if isinstance(err, UserError) and err.args and not str(err.args[0]).startswith("pipeline stage"):
+            # Name the stage in a user error (the memory guard's message names it already).
+            if isinstance(err, UserError) and not isinstance(err, ResourceLimitError) and err.args and not str(
+                err.args[0]
+            ).startswith("pipeline stage"):
                 err.args = (f"pipeline stage {name!r}: {err.args[0]}", *err.args[1:])
             raise
         dt = time.perf_counter() - t0

@@ -19,7 +19,8 @@ from specstop.errors import UserError
 def one_line_error(capsys, rc: int, *fragments: str) -> str:
     """Assert ``rc`` is the user-error status and stderr is one error line (plus the debug hint)."""
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[specstop]")]
+    # Log lines and progress bars (transformers' "Loading weights") are not error output.
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[specstop]") and "it/s]" not in ln]
     assert rc == 2, err
     assert len(lines) == 2 and lines[0].startswith("specstop ") and ": error: " in lines[0], err
     assert lines[1] == "(set SPECSTOP_DEBUG=1 for a traceback)"

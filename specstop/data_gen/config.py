@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
 from specstop.errors import MissingInputError, UserError
 from specstop.names import check_plain_name
+from specstop.pair.preflight import check_dtype_name
 from specstop.probs import DecodingConfig
 from specstop.prompts.sources import PromptSetConfig
 
@@ -159,16 +160,6 @@ def _typed_settings(obj, where: str = ""):
             yield from _typed_settings(value, f"{where}{f.name}.")
         else:
             yield f"{where}{f.name}", value, hints[f.name]
-
-
-def check_dtype_name(dtype: str) -> None:
-    """Refuse an unknown ``dtype`` before any model is loaded."""
-    from specstop.pair.loader import resolve_dtype
-
-    try:
-        resolve_dtype(dtype, "cpu")
-    except ValueError as err:
-        raise UserError(f"dtype: {err}") from None
 
 
 def config_from_dict(data: dict, source: str | None = None) -> DataGenConfig:

@@ -16,6 +16,7 @@ import torch
 
 from specstop.errors import UserError
 from specstop.eval.episodes import ReplayData
+from specstop.pair.identity import check_same_pair
 
 BATCH = 65536
 
@@ -126,10 +127,23 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
     Returns:
         (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {name: reason}).
     """
+    from specstop.data_gen.storage import read_manifest
+
+    data_pair = read_manifest(data_dir).get("pair")
     info, skipped = {}, {}
     for name, path in checkpoints.items():
         try:
             predictor, meta = load_checkpoint(path)
+        except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
+            skipped[name] = f"{type(err).__name__}: {err}"
+            continue
+        # Scores of a predictor on another pair's features would be meaningless, not just worse.
+        check_same_pair(
+            (meta.get("dataset") or {}).get("pair") if isinstance(meta.get("dataset"), dict) else None, data_pair,
+            what=f"checkpoint {name}={path} was trained on data from another model pair than {data_dir} holds",
+            fix="use data generated with the pair it was trained for, or retrain it on this pair's data",
+        )
+        try:
             score_split(data, data_dir, split, name, predictor)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
             skipped[name] = f"{type(err).__name__}: {err}"

@@ -66,7 +66,8 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
 
     Args:
         expected: a draft name/path (str), a ``ModelIdentity``-like object or dict (compared on
-            ``name_or_path``, ``architecture``, ``hidden_size``, ``num_hidden_layers``,
+            ``weights_sha256`` - which, when both sides have one of the same kind, replaces the name
+            check - and ``name_or_path``, ``architecture``, ``hidden_size``, ``num_hidden_layers``,
             ``num_parameters`` when both sides have them), or a dict ``{"draft": ..., "tokenizer_hash": ...}``.
         exported: the export's ``pair`` section.
 
@@ -90,11 +91,20 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
         if name is not None and not _same_name(want_draft, name):
             return False, f"draft {want_draft!r} (yours) vs {name!r} (export)"
         return True, ""
+    # The weights fingerprint decides when both sides have one of the same kind (file-based or
+    # in-memory): a draft with the same name and size but other weights is another model, and the
+    # same weights under another folder name are the same model.
+    wa, wb = want_draft.get("weights_sha256"), exp_draft.get("weights_sha256")
+    comparable = isinstance(wa, str) and isinstance(wb, str) and wa.split(":", 1)[0] == wb.split(":", 1)[0]
+    if comparable and wa != wb:
+        return False, (
+            f"draft weights fingerprint {wa[:24]}... (yours) vs {wb[:24]}... (export): same name and size, other weights"
+        )
     for key in ("name_or_path", "architecture", "hidden_size", "num_hidden_layers", "num_parameters"):
         a, b = want_draft.get(key), exp_draft.get(key)
         if a is None or b is None:
             continue
-        if key == "name_or_path" and _same_name(str(a), str(b)):
+        if key == "name_or_path" and (comparable or _same_name(str(a), str(b))):
             continue
         if a != b:
             return False, f"draft {key} {a!r} (yours) vs {b!r} (export)"

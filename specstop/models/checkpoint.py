@@ -43,6 +43,11 @@ def _read(path: str | Path) -> dict:
         ) from err
 
 
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """The ``specstop`` metadata of a checkpoint (family, dataset summary with its pair, ...), or {}."""
+    return dict(_read(path).get("specstop") or {})
+
+
 def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[StoppingPredictor, dict]:
     """Rebuild a trained predictor from a checkpoint.
 

@@ -24,6 +24,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from specstop.pair.identity import check_same_pair
 from specstop.train.module import PredictorModule
 from specstop.train.strategy import check_strategy
 
@@ -79,6 +80,8 @@ class SpecstopCLI(LightningCLI):
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        check_resume_pair(cfg.get("ckpt_path"), self.datamodule)
 
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -86,6 +89,20 @@ class SpecstopCLI(LightningCLI):
         if report.get("best_checkpoint"):
             print(f"best checkpoint: {report['best_checkpoint']}")
             print(f"metrics: {Path(report['metrics_path']).resolve()}")
+
+
+def check_resume_pair(ckpt_path, datamodule) -> None:
+    """Refuse to resume (``--ckpt_path``) from a checkpoint trained on another model pair's data."""
+    if not ckpt_path or not Path(str(ckpt_path)).is_file() or not hasattr(datamodule, "manifest"):
+        return  # no resume, or Lightning's "last"/"best" shortcuts
+    from specstop.models.checkpoint import read_checkpoint_meta
+
+    dataset = read_checkpoint_meta(ckpt_path).get("dataset")
+    check_same_pair(
+        dataset.get("pair") if isinstance(dataset, dict) else None, datamodule.manifest.get("pair"),
+        what=f"--ckpt_path {ckpt_path} was trained on data from another model pair than {datamodule.data_dir} holds",
+        fix="resume with the dataset it was trained on, or start a new run without --ckpt_path",
+    )
 
 
 def align_logger_versions(trainer: L.Trainer) -> None:

@@ -10,6 +10,7 @@ and export use.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from specstop.config_io import check_range
 from specstop.data_gen.storage import load_arrays, read_manifest
+from specstop.data_gen.verify import verify_dataset
 from specstop.errors import UserError
 from specstop.models.features import FeatureSpec
+from specstop.train.epochs import ShuffleEpochs
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +67,19 @@ class SplitData:
 class TensorBatches(IterableDataset):
     """Yields ``(features [B, D], labels [B])`` batches by gathering random index blocks.
 
-    One epoch = one permutation (seeded by ``seed`` + epoch count, the same on every rank); under
-    data parallelism rank r takes batches r, r + W, ... and every rank gets the same number of
-    batches (the remainder is dropped in training, so DDP never waits on a missing batch).
+    One epoch = one permutation (seeded by ``seed`` + epoch, the same on every rank); under data
+    parallelism rank r takes batches r, r + W, ... and every rank gets the same number of batches
+    (the remainder is dropped in training, so DDP never waits on a missing batch). ``epoch_fn``
+    gives the epoch of each pass (``ShuffleEpochs.next_shuffle_epoch``: survives a resume); without
+    it the dataset counts its own passes.
     """
 
-    def __init__(self, data: SplitData, spec: FeatureSpec, batch_size: int, shuffle: bool, seed: int, drop_uneven: bool):
+    def __init__(self, data: SplitData, spec: FeatureSpec, batch_size: int, shuffle: bool, seed: int, drop_uneven: bool,
+                 epoch_fn: Callable[[], int] | None = None):
         super().__init__()
         self.data, self.spec, self.batch_size = data, spec, batch_size
         self.shuffle, self.seed, self.drop_uneven = shuffle, seed, drop_uneven
+        self.epoch_fn = epoch_fn
         self.epoch = 0
 
     @staticmethod
@@ -94,7 +101,8 @@ class TensorBatches(IterableDataset):
         rank, world, per_rank = self._num_batches()
         n = len(self.data)
         if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            epoch = self.epoch_fn() if self.epoch_fn is not None else self.epoch
+            gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(n, generator=gen)
         else:
             order = None
@@ -107,7 +115,7 @@ class TensorBatches(IterableDataset):
             yield self.data.features(self.spec, idx), self.data.labels[idx]
 
 
-class PredictorDataModule(L.LightningDataModule):
+class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
     """Rows of a specstop dataset for one predictor family.
 
     Args:
@@ -152,6 +160,8 @@ class PredictorDataModule(L.LightningDataModule):
         self.seed = seed
         self.max_rows = max_rows
         self.manifest = read_manifest(self.data_dir)
+        # Always before training on it: every shard present, intact (sha256) and from one pair.
+        verify_dataset(self.data_dir)
         labels = self.manifest.get("labels", {})
         self.k: int = int(labels.get("topk_k", 10))
         hs = labels.get("hidden_size")
@@ -288,6 +298,7 @@ class PredictorDataModule(L.LightningDataModule):
             shuffle=train,
             seed=self.seed,
             drop_uneven=train,
+            epoch_fn=self.next_shuffle_epoch if train else None,
         )
         # batch_size=None: the dataset already yields whole batches; workers would only add IPC.
         return DataLoader(ds, batch_size=None, num_workers=0)

@@ -22,8 +22,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from specstop.data_gen.storage import load_arrays, read_manifest
+from specstop.data_gen.verify import verify_dataset
 from specstop.errors import UserError
 from specstop.train.data import SPLITS
+from specstop.train.epochs import ShuffleEpochs
 from specstop.train.module import PredictorModule
 
 log = logging.getLogger(__name__)
@@ -90,10 +92,12 @@ class MixedBatches(IterableDataset):
     holding a draft token with a label), "labels" [B, T]}`` (right padding).
     """
 
-    def __init__(self, data: SequenceSplit, batch_size: int, rate: float, seed: int, train: bool, pad_id: int, max_length: int | None):
+    def __init__(self, data: SequenceSplit, batch_size: int, rate: float, seed: int, train: bool, pad_id: int, max_length: int | None,
+                 epoch_fn=None):
         super().__init__()
         self.data, self.batch_size, self.rate = data, batch_size, rate
         self.seed, self.train, self.pad_id, self.max_length = seed, train, pad_id, max_length
+        self.epoch_fn = epoch_fn  # see specstop.train.epochs: the epoch must survive a resume
         self.epoch = 0
 
     def _rank_world(self):
@@ -109,7 +113,8 @@ class MixedBatches(IterableDataset):
     def __iter__(self):
         rank, world = self._rank_world()
         # Validation: one fixed mixing (seed only); training: a new one every epoch.
-        gen = torch.Generator().manual_seed(self.seed + (1000003 * (self.epoch + 1) if self.train else 0))
+        epoch = self.epoch_fn() if (self.train and self.epoch_fn is not None) else self.epoch
+        gen = torch.Generator().manual_seed(self.seed + (1000003 * (epoch + 1) if self.train else 0))
         order = torch.randperm(len(self.data), generator=gen) if self.train else torch.arange(len(self.data))
         self.epoch += 1
         for j in range(len(self)):
@@ -148,7 +153,7 @@ class MixedBatches(IterableDataset):
         return out
 
 
-class OnlineMixingDataModule(L.LightningDataModule):
+class OnlineMixingDataModule(ShuffleEpochs, L.LightningDataModule):
     """Stored (x, X, Y, labels) of a dataset, mixed anew each epoch for :class:`OnlineMixingModule`.
 
     Args:
@@ -177,6 +182,7 @@ class OnlineMixingDataModule(L.LightningDataModule):
             raise UserError(f"online mixing trains on {MIX_LABELS}; got label {label!r}")
         self.data_dir, self.label, self.batch_size = str(data_dir), label, batch_size
         self.manifest = read_manifest(self.data_dir)
+        verify_dataset(self.data_dir)  # always before training on it (see PredictorDataModule)
         labels = self.manifest.get("labels", {})
         rate = mixing_rate if mixing_rate is not None else (labels.get("mixing") or {}).get("rate") or 0.15
         if not 0.0 <= rate < 1.0:
@@ -205,7 +211,8 @@ class OnlineMixingDataModule(L.LightningDataModule):
                     raise UserError(f"prompt {sorted(both)[0]!r} is in both {names[a]!r} and {names[b]!r}; regenerate the dataset")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        ds = MixedBatches(self.splits[split], self.batch_size, self.mixing_rate, self.seed, train, self.pad_id, self.max_length)
+        ds = MixedBatches(self.splits[split], self.batch_size, self.mixing_rate, self.seed, train, self.pad_id, self.max_length,
+                          epoch_fn=self.next_shuffle_epoch if train else None)
         return DataLoader(ds, batch_size=None, num_workers=0)
 
     def train_dataloader(self):
