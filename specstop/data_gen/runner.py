@@ -172,7 +172,6 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
     import datasets
     from tqdm.auto import tqdm
 
-    from specstop.memory import check_memory
 
     datasets.disable_progress_bars()  # one bar per table write would drown ours
     mine = [p for p in plan if p.ordinal % num_shards == shard_index]
@@ -204,6 +203,22 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
         "hidden_size": hidden_size, "draft_hidden_size": pair.draft_identity.hidden_size,
     }
     bar = tqdm(total=sum(len(p.records) for p in todo), unit="prompt", disable=not progress, desc="generate")
+    try:  # close the bar on errors too, so the error message starts on its own line
+        _write_todo(pair, todo, cfg, out, render, limit, hidden_size, fp, pair_meta, bar)
+    finally:
+        bar.close()
+    manifest = None
+    if all(_shard_status(out, p, fp) == "done" for p in plan):
+        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info)
+    elif num_shards > 1:
+        log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
+    return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
+
+
+def _write_todo(pair, todo, cfg, out, render, limit, hidden_size, fp, pair_meta, bar) -> None:
+    """Label and write the shards in ``todo`` (the body of :func:`generate_dataset`)."""
+    from specstop.memory import check_memory
+
     t0, n_tok = time.perf_counter(), 0
     for p in todo:
         prepared, dropped = prepare_prompts(p.records, render, limit, cfg.generation.prompt_overflow)
@@ -222,13 +237,6 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
             "rollout_steps": tables.rollout_steps, "response_tokens": tables.response_tokens, **pair_meta,
         }
         write_shard(out, p.name, tables.finish(), k=cfg.labels.topk_k, hidden_size=hidden_size, meta=meta)
-    bar.close()
-    manifest = None
-    if all(_shard_status(out, p, fp) == "done" for p in plan):
-        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info)
-    elif num_shards > 1:
-        log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
-    return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
 
 
 def prompt_info_from_config(cfg: DataGenConfig) -> dict:
