@@ -18,7 +18,7 @@ import os
 import sys
 
 from specstop import __version__
-from specstop.errors import UserError
+from specstop.errors import UserError, find_user_error
 from specstop.log import setup_logging
 
 # name -> (module, one-line help, owns_its_parser)
@@ -105,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"specstop {name}: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)
         return 130
-    except UserError as err:
-        # Only UserError is the user's to fix; any other exception is a bug and keeps its traceback.
-        if _debug(verbose):
+    except Exception as err:
+        # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
+        # our constructors) is the user's to fix; anything else is a bug and keeps its traceback.
+        user = find_user_error(err)
+        if user is None or _debug(verbose):
             raise
-        print(f"specstop {name}: error: {one_line(err)}", file=sys.stderr)
+        print(f"specstop {name}: error: {one_line(user)}", file=sys.stderr)
         print("(set SPECSTOP_DEBUG=1 for a traceback)", file=sys.stderr)
         return 2
 

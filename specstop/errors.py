@@ -22,3 +22,19 @@ class MissingInputError(UserError, FileNotFoundError):
 
 class ResourceLimitError(UserError, MemoryError):
     """A stage stopped before the machine ran out of memory; finished work is kept."""
+
+
+def find_user_error(err: BaseException | None) -> UserError | None:
+    """``err`` itself or the :class:`UserError` it was explicitly raised from (``raise X from
+    user_error``: libraries such as jsonargparse wrap the errors our constructors raise), else None.
+
+    Only ``__cause__`` counts: a bug raised *while handling* a user error (``__context__``) is
+    still a bug.
+    """
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, UserError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None

@@ -6,7 +6,8 @@ Instead, every CLI command and every pipeline stage runs inside :func:`guarded_s
 * watches the memory still available (host memory, or the cgroup limit of a container when that
   is lower) from a background thread every ``POLL_SECONDS``;
 * when it falls below the reserve (``$SPECSTOP_MEMORY_RESERVE``, default ``max(1 GiB, 5% of
-  RAM)``) raises :class:`~specstop.errors.ResourceLimitError` in the main thread, naming the
+  RAM)``) raises :class:`~specstop.errors.ResourceLimitError` in the main thread (delivered as
+  SIGUSR2 by ``_thread.interrupt_main``; ``$SPECSTOP_MEMORY_GUARD=0`` turns it off), naming the
   stage, the measured numbers and what to reduce. Our writes are atomic and jobs resumable, so
   rerunning the command continues from the finished work;
 * frees what a stage left behind (``gc``, CUDA cache, glibc ``malloc_trim``) when it ends, so a
@@ -35,6 +36,9 @@ from specstop.errors import ResourceLimitError, UserError
 log = logging.getLogger(__name__)
 
 RESERVE_ENV = "SPECSTOP_MEMORY_RESERVE"
+# How the monitor thread interrupts the main thread: SIGUSR2 (SIGINT would read as Ctrl+C, which
+# Lightning turns into sys.exit; SIGUSR1 is SLURM's requeue signal, which Lightning handles).
+GUARD_SIGNAL = getattr(signal, "SIGUSR2", None)
 POLL_SECONDS = 0.5
 GIB = 1 << 30
 
@@ -220,7 +224,7 @@ class _Monitor(threading.Thread):
                 if self.interrupt:
                     import _thread
 
-                    _thread.interrupt_main(signal.SIGUSR1)
+                    _thread.interrupt_main(GUARD_SIGNAL)
                 return
 
     def stop(self) -> None:
@@ -243,12 +247,15 @@ def guarded_stage(name: str) -> Iterator[None]:
     outermost = not _stages
     previous_handler = None
     in_main = threading.current_thread() is threading.main_thread()
-    can_signal = in_main and hasattr(signal, "SIGUSR1")
+    # Only when nobody else handles the signal (else: the cooperative checks between batches only).
+    can_signal = (
+        in_main and GUARD_SIGNAL is not None and signal.getsignal(GUARD_SIGNAL) in (signal.SIG_DFL, None)
+    )
     with _lock:
         _stages.append(name)
         if outermost and os.environ.get("SPECSTOP_MEMORY_GUARD", "1") != "0":
             if can_signal:
-                previous_handler = signal.signal(signal.SIGUSR1, _on_signal)
+                previous_handler = signal.signal(GUARD_SIGNAL, _on_signal)
             _monitor = _Monitor(interrupt=can_signal)
             _monitor.start()
     try:
@@ -260,5 +267,5 @@ def guarded_stage(name: str) -> Iterator[None]:
                 _monitor.stop()
                 _monitor = None
                 if previous_handler is not None:
-                    signal.signal(signal.SIGUSR1, previous_handler)
+                    signal.signal(GUARD_SIGNAL, previous_handler)
         release_memory()

@@ -96,3 +96,31 @@ def test_resume_from_another_pairs_checkpoint_is_refused(synth_dir, tmp_path):
     ck = save_predictor_checkpoint(tmp_path / "c.ckpt", build_predictor("disco_ffn"), {"dataset": {"pair": other}})
     with pytest.raises(UserError, match="another model pair.*draft weights"):
         check_resume_pair(str(ck), dm)
+
+
+def test_low_memory_during_training_is_one_line(synth_dir, tmp_path, monkeypatch, capsys):
+    """The monitor thread stops `specstop train` inside Lightning's loop with the memory message."""
+    from pathlib import Path
+
+    from specstop import memory
+    from specstop.cli import main
+
+    real = memory.memory_status
+    calls = {"n": 0}
+
+    def low_soon():
+        calls["n"] += 1
+        status = real()
+        return memory.MemoryStatus(1 << 20, status.total, status.rss) if calls["n"] > 3 else status
+
+    monkeypatch.setattr(memory, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(memory, "memory_status", low_soon)
+    monkeypatch.chdir(tmp_path)
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "train" / "disco_ffn.yaml"
+    rc = main(["train", "--config", str(cfg), "--data.data_dir", str(synth_dir), "--trainer.max_epochs", "1000",
+               "--data.batch_size", "64", "--trainer.enable_progress_bar", "false"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = next(ln for ln in err.splitlines() if ": error: " in ln)
+    assert line.startswith("specstop train: error: stopped in specstop train before the machine runs out of memory")
+    assert "data.batch_size" in line and "Traceback" not in err

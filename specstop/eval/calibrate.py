@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
 
 log = logging.getLogger("specstop")
@@ -59,7 +60,7 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
         return list(DEFAULT_PROMPTS)[:limit]
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"--prompts {path}: no such file (give a text file, one prompt per line, or JSONL)"
         )
     out = []
@@ -71,14 +72,14 @@ def read_prompts(path: str | None, limit: int) -> list[str]:
             rec = json.loads(line)
             text = rec.get("prompt") or rec.get("text")
             if not text:
-                raise ValueError(f"{path}: JSONL records need a 'prompt' or 'text' field")
+                raise UserError(f"{path}: JSONL records need a 'prompt' or 'text' field")
             out.append(text)
         else:
             out.append(line.replace("\\n", "\n"))
         if len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{path} holds no prompts")
+        raise UserError(f"{path} holds no prompts")
     return out
 
 
@@ -153,7 +154,7 @@ def time_pair(
                 if r:
                     target_rows.append((k, dt))
     if not draft_rows:
-        raise ValueError("no usable prompts (each needs at least 2 tokens)")
+        raise UserError("no usable prompts (each needs at least 2 tokens)")
     return {"draft": draft_rows, "target": target_rows}
 
 

@@ -118,7 +118,10 @@ def tune_dataset(
             "dataset was sampled at T=%g: tuning uses greedy replay of its rollouts/matches", data.temperature
         )
     for sl in sl_max_grid:
-        check_sl_max(data, sl)
+        try:
+            check_sl_max(data, sl)
+        except ValueError as err:  # the grid asks for longer rollouts than the dataset stores
+            raise UserError(f"--sl-max-grid: {err}") from None
     info, skipped = score_checkpoints(data, data_dir, split, checkpoints)
     layout = build_layout(data)
     policies = {}
