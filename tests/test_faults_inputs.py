@@ -256,3 +256,20 @@ def test_tune_grid_beyond_the_rollouts_is_one_line(synth_dir, tmp_path, capsys):
                "--out", str(tmp_path / "t.json")])
     one_line_error(capsys, rc, "--sl-max-grid", "SL_max 40")
     assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--data.batch_size", "eight"], "config key 'data.batch_size': Expected a <class 'int'>. Got value: eight"),
+        (["--model.init_args.lr", "fast"], "config key 'model.lr': Expected a <class 'float'>. Got value: fast"),
+        (["--model.init_args.nonsense", "1"], "config key 'model.nonsense' is unknown"),
+        (["--model.init_args.lr", "0"], "model.lr must be > 0"),
+    ],
+)
+def test_train_config_errors_are_one_line(synth_dir, tmp_path, monkeypatch, capsys, extra, fragment):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    cfg = str(Path(__file__).resolve().parents[1] / "configs" / "train" / "disco_ffn.yaml")
+    one_line_error(capsys, main(["train", "--config", cfg, "--data.data_dir", str(synth_dir), *extra]), fragment)
