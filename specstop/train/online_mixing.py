@@ -267,7 +267,12 @@ class OnlineMixingModule(PredictorModule):
     ) -> None:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(draft)
+        from specstop.pair.preflight import loading_errors
+        from specstop.pair.sources import locate_model
+
+        source = locate_model(draft, "draft")  # a clear error for a missing/broken folder or an offline hub id
+        with loading_errors(f"draft {draft!r}"):
+            cfg = AutoConfig.from_pretrained(source)
         width = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
         if hidden_size is not None and hidden_size != width:
             raise UserError(f"the dataset's hidden states are {hidden_size} wide but draft {draft!r} is {width} wide")
@@ -278,7 +283,8 @@ class OnlineMixingModule(PredictorModule):
             raise UserError(f"online mixing trains hidden-state predictors; {family!r} reads {self.predictor.feature_spec.kind!r}")
         from specstop.pair.loader import load_model
 
-        self.draft = load_model(draft, dtype=draft_dtype, device="cpu")
+        with loading_errors(f"draft {draft!r}"):
+            self.draft = load_model(source, dtype=draft_dtype, device="cpu")
         self.draft.requires_grad_(False)
         self.strict_loading = False  # checkpoints omit the frozen draft
 
