@@ -88,15 +88,20 @@ def worker_from_env(num_shards: int | None, shard_index: int | None) -> tuple[in
     return n, i
 
 
-def _shard_status(out_dir: Path, plan: ShardPlan, fingerprint: str, pair: dict | None = None) -> str:
+def _shard_status(
+    out_dir: Path, plan: ShardPlan, fingerprint: str, pair: dict | None = None, *, check_hashes: bool = True
+) -> str:
     """'done' (verified, same prompts and settings), 'missing' or 'stale' (different prompts).
+
+    ``check_hashes=False`` for shards this process has just written (their hashes were computed
+    while writing; re-reading a large dataset twice at the end of a run buys nothing).
 
     Raises:
         UserError: the shard was made with other label settings, or (when ``pair`` is given) with
             another model pair or dtype - a dataset must never mix them.
     """
     path = storage.shards_root(out_dir) / plan.name
-    if not path.is_dir() or not storage.verify_shard(path):
+    if not path.is_dir() or not storage.verify_shard(path, check_hashes=check_hashes):
         return "missing"
     meta = (read_shard_record(path) or {}).get("meta", {})
     if meta.get("fingerprint") != fingerprint:
@@ -208,8 +213,9 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
     finally:
         bar.close()
     manifest = None
-    if all(_shard_status(out, p, fp) == "done" for p in plan):
-        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info)
+    written = {p.name for p in todo}
+    if all(_shard_status(out, p, fp, check_hashes=p.name not in written) == "done" for p in plan):
+        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info, just_written=written)
     elif num_shards > 1:
         log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
     return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
@@ -252,17 +258,27 @@ def _arrow_bytes(shard: Path) -> int:
     return sum(f.stat().st_size for f in shard.rglob("*.arrow"))
 
 
-def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[ShardPlan], *, prompt_info: dict | None = None) -> Path:
+def write_manifest(
+    out_dir: str | Path,
+    cfg: DataGenConfig,
+    plan: Sequence[ShardPlan],
+    *,
+    prompt_info: dict | None = None,
+    just_written: set[str] | frozenset[str] = frozenset(),
+) -> Path:
     """Write ``manifest.json`` (keys as in docs/design.md) from the finished shards of ``plan``.
 
+    ``just_written``: shards this process wrote a moment ago (checked by size, not re-hashed).
+
     Raises:
-        ValueError: a planned shard is missing, unverified or holds other prompts.
+        UserError: a planned shard is missing, unverified or holds other prompts, or shards were
+            generated with different pairs or dtypes.
     """
     from specstop import __version__
 
     out = Path(out_dir)
     fp = cfg.label_fingerprint()
-    missing = [p.name for p in plan if _shard_status(out, p, fp) != "done"]
+    missing = [p.name for p in plan if _shard_status(out, p, fp, check_hashes=p.name not in just_written) != "done"]
     if missing:
         raise UserError(
             f"cannot write the manifest: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}"
