@@ -268,7 +268,7 @@ def load_pair(
         TokenizerMismatchError: the tokenizers differ (names the first differing token).
     """
     from specstop.pair.preflight import check_dtype_name, check_pair_fits, loading_errors
-    from specstop.pair.sources import check_device, locate_model
+    from specstop.pair.sources import check_device, locate_model, weights_folder
 
     # Fail in a second, with the fix, rather than deep inside transformers: the device, the
     # folders (or hub ids), the dtype name and whether both models fit in memory.
@@ -297,8 +297,9 @@ def load_pair(
         draft_revision=draft_revision,
         target_revision=target_revision,
         name=name,
-        draft_path=draft_src,
-        target_path=target_src,
+        # Hub models are fingerprinted from their files in the cache (dtype-independent).
+        draft_path=weights_folder(draft_src, draft_revision),
+        target_path=weights_folder(target_src, target_revision),
     )
 
 

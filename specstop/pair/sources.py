@@ -100,6 +100,14 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
     return path if (Path(path) / "config.json").is_file() else None
 
 
+def weights_folder(source: str, revision: str | None = None) -> str | None:
+    """The local folder holding a loaded model's weight files: ``source`` itself, or the
+    Hugging Face cache snapshot of a hub id (None when neither exists)."""
+    if Path(source).is_dir():
+        return source
+    return cached_snapshot(source, revision)
+
+
 def locate_model(name: str, role: str, revision: str | None = None) -> str:
     """What to load for ``--draft``/``--target`` ``name`` (a checked local folder or a hub id).
 
