@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset", help="dataset folder whose manifest.json names the pair (default: from the checkpoint / tuned file)"
     )
     parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing, non-empty --out folder (after the new export passed its check)"
+    )
+    parser.add_argument(
         "--allow-missing-pair",
         action="store_true",
         help="write an export without draft/target identities (decoders then cannot refuse a wrong draft)",
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         policy=args.policy,
         dataset=args.dataset,
         allow_missing_pair=args.allow_missing_pair,
+        overwrite=args.overwrite,
     )
     check = config.get("export_check")
     if check:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specstop.errors import MissingInputError, UserError
 from specstop.models.base import StoppingPredictor
 from specstop.models.registry import build_predictor
 
@@ -25,21 +26,26 @@ PREFIX = "predictor."
 def _read(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(
+        raise MissingInputError(
             f"{path} is a folder (a DeepSpeed checkpoint?); convert it to one file first with "
             "lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict"
         )
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
+        raise MissingInputError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
     try:
         # weights_only=True: a checkpoint is data and must not run code when read. PredictorModule
         # stores plain dicts so this succeeds; only foreign checkpoints need the fallback.
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pragma: no cover - depends on who wrote the file
-        raise ValueError(
+        raise UserError(
             f"{path} could not be read as a plain-data checkpoint ({type(err).__name__}: {err}); "
             "was it written by specstop train?"
         ) from err
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """The ``specstop`` metadata of a checkpoint (family, dataset summary with its pair, ...), or {}."""
+    return dict(_read(path).get("specstop") or {})
 
 
 def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[StoppingPredictor, dict]:
@@ -60,14 +66,14 @@ def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -
     family = meta.get("family") or hp.get("family")
     config = meta.get("predictor_config") or hp.get("predictor_config")
     if not family or config is None:
-        raise ValueError(f"{path} has no specstop predictor metadata (family / predictor_config); not a specstop checkpoint")
+        raise UserError(f"{path} has no specstop predictor metadata (family / predictor_config); not a specstop checkpoint")
     predictor = build_predictor(family, **config)
     state = {k[len(PREFIX) :]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(PREFIX)}
     if not state:
-        raise ValueError(f"{path} holds no 'predictor.*' weights")
+        raise UserError(f"{path} holds no 'predictor.*' weights")
     missing, unexpected = predictor.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path} does not match family {family!r} config {config}: missing {missing}, unexpected {unexpected}")
+        raise UserError(f"{path} does not match family {family!r} config {config}: missing {missing}, unexpected {unexpected}")
     predictor.to(map_location).eval()
     for key in ("label", "w_acc", "w_rej"):
         meta.setdefault(key, hp.get(key))
