@@ -4,18 +4,23 @@ Subcommand modules are imported lazily, so ``specstop --help`` and light command
 do not import Lightning or datasets. A subcommand module provides either
 ``add_arguments(parser)`` + ``run(args) -> int`` (argparse), or ``main(argv) -> int`` for commands
 that own their parser (``train`` and ``sweep`` go through LightningCLI).
+
+Errors: a :class:`~specstop.errors.UserError` (bad input the user can fix) is printed as one line
+and exits with status 2; anything else is a bug and keeps its traceback. ``SPECSTOP_DEBUG=1`` or
+``-v`` shows the traceback of user errors too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 
 from specstop import __version__
 from specstop.cli_flags import DefaultsHelpFormatter
+from specstop.errors import UserError, find_user_error
+from specstop.log import setup_logging
 
 # name -> (module, one-line help, owns_its_parser)
 COMMANDS: dict[str, tuple[str, str, bool]] = {
@@ -32,11 +37,7 @@ COMMANDS: dict[str, tuple[str, str, bool]] = {
     "pipeline": ("specstop.pipeline", "pair -> data -> train -> tune -> eval -> export, resumable", False),
 }
 
-log = logging.getLogger("specstop")
-
-
-class UserError(Exception):
-    """An error caused by input the user can fix; printed without a traceback."""
+__all__ = ["COMMANDS", "UserError", "main", "run_command"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -52,12 +53,45 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _debug(verbose: bool) -> bool:
+    return verbose or os.environ.get("SPECSTOP_DEBUG", "").strip() not in ("", "0")
+
+
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line (multi-line messages are joined)."""
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(part.strip() for part in text.splitlines() if part.strip()) or type(err).__name__
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Run one subcommand without any error handling (the pipeline runs stages through this).
+
+    Args:
+        name: a key of ``COMMANDS``.
+        argv: the subcommand's arguments.
+
+    Returns:
+        The subcommand's exit status.
+    """
+    from specstop.memory import guarded_stage
+
+    module_name, help_, raw = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    with guarded_stage(f"specstop {name}"):
+        if raw:
+            return int(module.main(argv) or 0)
+        sub = argparse.ArgumentParser(
+            prog=f"specstop {name}", description=help_, formatter_class=DefaultsHelpFormatter
+        )
+        module.add_arguments(sub)
+        args = sub.parse_args(argv)
+        return int(module.run(args) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "-v" in argv or "--verbose" in argv
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, format="[specstop] %(message)s", stream=sys.stderr
-    )
+    setup_logging(verbose)
     # Find the subcommand: the first non-option argument.
     cmd_index = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if cmd_index is None or argv[cmd_index] not in COMMANDS:
@@ -69,25 +103,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name = argv[cmd_index]
     rest = [a for a in argv[cmd_index + 1 :] if a not in ("-v", "--verbose")]
-    module_name, help_, raw = COMMANDS[name]
-    module = importlib.import_module(module_name)
     try:
-        if raw:
-            return int(module.main(rest) or 0)
-        sub = argparse.ArgumentParser(
-            prog=f"specstop {name}", description=help_, formatter_class=DefaultsHelpFormatter
-        )
-        module.add_arguments(sub)
-        args = sub.parse_args(rest)
-        return int(module.run(args) or 0)
+        return run_command(name, rest)
     except KeyboardInterrupt:
         print(f"specstop {name}: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)
         return 130
-    except (UserError, ValueError, FileNotFoundError, KeyError, OSError) as err:
-        if os.environ.get("SPECSTOP_DEBUG") == "1" or verbose:
+    except Exception as err:
+        # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
+        # our constructors) is the user's to fix; anything else is a bug and keeps its traceback.
+        user = find_user_error(err)
+        if user is None or _debug(verbose):
             raise
-        msg = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"specstop {name}: error: {msg}", file=sys.stderr)
+        print(f"specstop {name}: error: {one_line(user)}", file=sys.stderr)
         print("(set SPECSTOP_DEBUG=1 for a traceback)", file=sys.stderr)
         return 2
 

@@ -8,18 +8,20 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
+
+log = logging.getLogger(__name__)
 
 
 class _DeprecatedAlias(argparse.Action):
-    """Stores like the new flag and tells the user the new spelling once."""
+    """Stores like the new flag and tells the user the new spelling once (a log line, not an error)."""
 
     def __init__(self, option_strings, dest, new_flag: str, **kwargs):
         self.new_flag = new_flag
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: note: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
+        log.warning("%s: note: %s is deprecated; use %s", parser.prog, option_string, self.new_flag)
         setattr(namespace, self.dest, values)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from specstop.errors import UserError
+
 
 def local_rank() -> int | None:
     """``$LOCAL_RANK`` (this process's index on its node), or None outside a launcher."""
@@ -24,7 +26,7 @@ def rank_local_device(device: str | None) -> str | None:
     available.
 
     Raises:
-        ValueError: ``LOCAL_RANK`` names a GPU this node does not have.
+        UserError: ``LOCAL_RANK`` names a GPU this node does not have.
     """
     rank = local_rank()
     if rank is None:
@@ -41,7 +43,7 @@ def rank_local_device(device: str | None) -> str | None:
 
     count = torch.cuda.device_count()
     if rank >= count:
-        raise ValueError(
+        raise UserError(
             f"LOCAL_RANK={rank} but this node has {count} CUDA device(s); start at most {count} processes "
             "per node (torchrun --nproc-per-node) or pass --device cpu"
         )

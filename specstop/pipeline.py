@@ -30,7 +30,10 @@ from pathlib import Path
 
 import yaml
 
+from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
 from specstop.data_gen.storage import atomic_write_json
+from specstop.errors import UserError
+from specstop.names import check_plain_name
 from specstop.pipeline_stages import StageRunner
 
 log = logging.getLogger("specstop")
@@ -41,14 +44,20 @@ class FamilySpec:
     """One predictor family to train.
 
     Attributes:
-        name: registry name (disco_ffn, specdecpp_resnet, mcsd_hidden_mlp, mcsd_topk_mlp).
-        config: a ``configs/train/*.yaml`` LightningCLI config.
+        name: registry name (disco_ffn, specdecpp_resnet, mcsd_hidden_mlp, mcsd_topk_mlp); a plain
+            name, since it names the run folder ``RUN/train/<name>``.
+        config: a ``configs/train/*.yaml`` LightningCLI config (default ``configs/train/<name>.yaml``).
         args: extra LightningCLI arguments, e.g. ``["--trainer.max_epochs", "3"]``.
     """
 
     name: str
-    config: str
-    args: list[str] = field(default_factory=list)
+    config: str | None = None
+    args: list[str | int | float | bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = f"configs/train/{self.name}.yaml"
+        self.args = [str(a) for a in self.args]
 
 
 @dataclass
@@ -87,39 +96,76 @@ class PipelineConfig:
     families: list[FamilySpec] = field(default_factory=list)
     cost_model: str = "calibrate"
     calibrate_budget: float = 60.0
-    tune_args: list[str] = field(default_factory=list)
-    eval_args: list[str] = field(default_factory=list)
+    tune_args: list[str | int | float] = field(default_factory=list)
+    eval_args: list[str | int | float] = field(default_factory=list)
     online_prompts: int = 8
     online_repeats: int = 2
     online_max_new_tokens: int | None = None
     online_hf_default: bool = True
     export_policy: str = "best"
 
+    def __post_init__(self) -> None:
+        self.tune_args = [str(a) for a in self.tune_args]
+        self.eval_args = [str(a) for a in self.eval_args]
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineConfig:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(raw) - names
-        if unknown:
-            raise ValueError(f"unknown pipeline config keys {sorted(unknown)} in {path}; valid keys: {sorted(names)}")
-        fams = []
-        for f in raw.pop("families", []) or []:
+        """Read and check a pipeline YAML: keys, value types, family names, ranges and the data sections.
+
+        Raises:
+            UserError: naming the file and the key (or the line of malformed YAML).
+        """
+        raw = read_yaml(path, "pipeline config")
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise UserError(f"{path}: a pipeline config must be a mapping of keys to values, got {type(raw).__name__}")
+        fams_raw = raw.pop("families", None) or []
+        cfg = dataclass_from_dict(cls, raw, "", str(path))
+        check_type(fams_raw, list, "families")
+        for f in fams_raw:
             if isinstance(f, str):
-                f = {"name": f, "config": f"configs/train/{f}.yaml"}
-            bad = set(f) - {"name", "config", "args"}
-            if bad:
-                raise ValueError(f"unknown keys {sorted(bad)} in a families entry of {path}; valid: name, config, args")
-            fams.append(FamilySpec(name=f["name"], config=f.get("config", f"configs/train/{f['name']}.yaml"),
-                                   args=[str(a) for a in f.get("args", [])]))
-        return cls(families=fams, **raw)
+                f = {"name": f}
+            cfg.families.append(dataclass_from_dict(FamilySpec, f, "families.", str(path)))
+        cfg.validate(str(path))
+        return cfg
+
+    def validate(self, source: str = "the pipeline config") -> None:
+        """Check ranges, family names and the generate configs before any stage runs."""
+        from specstop.data_gen.config import config_from_dict
+        from specstop.pair.preflight import check_dtype_name
+
+        check_range("online_prompts", self.online_prompts, low=0)
+        check_range("online_repeats", self.online_repeats, low=1)
+        check_range("calibrate_budget", self.calibrate_budget, low=0, low_open=True)
+        check_range("online_max_new_tokens", self.online_max_new_tokens, low=1)
+        check_dtype_name(self.dtype)
+        seen = set()
+        for fam in self.families:
+            check_plain_name(fam.name, "family name")  # it names RUN/train/<family>
+            if fam.name in seen:
+                raise UserError(f"{source}: family {fam.name!r} is listed twice; give each family once")
+            seen.add(fam.name)
+        for key in ("data", "test_data"):
+            section = getattr(self, key)
+            if section is None:
+                continue
+            conf = {k: v for k, v in section.items() if k not in ("pair", "draft", "target", "out")}
+            try:
+                config_from_dict(conf).validate()
+            except UserError as err:
+                raise UserError(f"{source}: section {key}: {err}") from None
 
 
 def _cli(argv: list[str]) -> None:
-    """Run one specstop subcommand in-process; raise on failure."""
-    from specstop.cli import main
+    """Run one specstop subcommand in-process; its errors propagate with their own type.
+
+    A user error inside a stage therefore reaches ``specstop pipeline`` as a one-line error naming
+    the stage, and a bug keeps its traceback (``specstop.cli.main`` would turn both into an exit code).
+    """
+    from specstop.cli import run_command
 
     log.info("$ specstop %s", " ".join(argv))
-    rc = main(argv)
+    rc = run_command(argv[0], argv[1:])
     if rc:
         raise RuntimeError(f"`specstop {' '.join(argv)}` failed with exit code {rc}")
 
@@ -128,7 +174,7 @@ def _pair_args(cfg: PipelineConfig) -> list[str]:
     if cfg.draft or cfg.target:
         return ["--draft", str(cfg.draft), "--target", str(cfg.target)]
     if not cfg.pair:
-        raise ValueError("the pipeline config needs `pair:` (a known name or a folder) or `draft:` + `target:`")
+        raise UserError("the pipeline config needs `pair:` (a known name or a folder) or `draft:` + `target:`")
     return ["--pair", str(cfg.pair)]
 
 
@@ -158,7 +204,19 @@ def _find_best_checkpoint(root: Path) -> tuple[str, dict]:
 
 
 def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
-    """Run (or resume) the pipeline; returns the summary dict also written to report.json."""
+    """Run (or resume) the pipeline; returns the summary dict also written to report.json.
+
+    The run folder is locked for the run (a second pipeline on it is refused; a lock left by a
+    killed run is detected by its pid and taken over).
+    """
+    from specstop.outputs import claim_output_dir
+
+    with claim_output_dir(cfg.run_dir, command=f"specstop pipeline (run_dir {cfg.run_dir})"):
+        return _run_stages(cfg, force=force)
+
+
+def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
+    """:func:`run_pipeline` once the run folder is claimed."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir, force=force)
@@ -265,7 +323,8 @@ def run_pipeline(cfg: PipelineConfig, *, force: bool = False) -> dict:
     tuned_doc = json.loads(tuned.read_text())
     policy_name = tuned_doc.get("best") if cfg.export_policy == "best" else cfg.export_policy
     family = (tuned_doc.get("policies", {}).get(policy_name, {}).get("spec") or {}).get("family")
-    export_argv = ["export", "--tuned", str(tuned), "--policy", str(policy_name), "--out", str(export_dir)]
+    # --overwrite: the stage reruns only when its inputs changed, and then replaces its own export.
+    export_argv = ["export", "--tuned", str(tuned), "--policy", str(policy_name), "--out", str(export_dir), "--overwrite"]
     if family and family in checkpoints:
         export_argv += ["--checkpoint", checkpoints[family]]
     runner.run(

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from specstop.data_gen.storage import atomic_write_json, read_json_or_none
+from specstop.errors import ResourceLimitError, UserError
+from specstop.memory import guarded_stage
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,17 @@ class StageRunner:
         log.info("stage %-10s running%s", name, " (config or inputs changed)" if prev else "")
         t0 = time.perf_counter()
         try:
-            outputs = fn() or {}
-        except BaseException:
+            # Each stage runs under the memory guard and frees its models when it ends, so the next
+            # stage starts from a small footprint (stages run in this process).
+            with guarded_stage(f"pipeline stage {name!r}"):
+                outputs = fn() or {}
+        except BaseException as err:
             self.results.append(StageResult(name, "failed", time.perf_counter() - t0, fp))
+            # Name the stage in a user error (the memory guard's message names it already).
+            if isinstance(err, UserError) and not isinstance(err, ResourceLimitError) and err.args and not str(
+                err.args[0]
+            ).startswith("pipeline stage"):
+                err.args = (f"pipeline stage {name!r}: {err.args[0]}", *err.args[1:])
             raise
         dt = time.perf_counter() - t0
         atomic_write_json(

@@ -10,11 +10,16 @@ caller enforces the hard caps (``sl_max``, the tokens remaining, EOS) via :meth:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from specstop.errors import UserError
+
 KINDS = ("static", "heuristic", "confidence", "predictor", "oracle", "pearl")
 RULES = ("below", "cumprod")
+READS = ("dist", "hidden")
+THRESHOLD_SLACK = 1e-9
 DEFAULT_SL_MAX = 20
 
 
@@ -66,24 +71,51 @@ class PolicySpec:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Specs come from flags, tuned-policy files and export config.json files users can edit:
+        # check types and ranges here, once, for every consumer.
         if self.kind not in KINDS:
-            raise ValueError(f"unknown policy kind {self.kind!r}; choose from {KINDS}")
+            raise UserError(f"unknown policy kind {self.kind!r}; choose from {KINDS}")
         if self.rule not in RULES:
-            raise ValueError(f"unknown predictor rule {self.rule!r}; choose from {RULES}")
+            raise UserError(f"unknown predictor rule {self.rule!r}; choose from {RULES}")
+        if self.reads not in READS:
+            raise UserError(f"policy 'reads' must be one of {READS}, got {self.reads!r}")
+        for name in ("k", "start", "sl_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise UserError(f"policy {name} must be an integer, got {value!r}")
         if self.kind == "static" and self.k < 1:
-            raise ValueError(f"static speculation length must be >= 1, got {self.k}")
+            raise UserError(f"static speculation length must be >= 1, got {self.k}")
+        if self.kind == "heuristic" and self.start < 1:
+            raise UserError(f"heuristic start length must be >= 1, got {self.start}")
         if self.sl_max < 1:
-            raise ValueError(f"sl_max must be >= 1, got {self.sl_max}")
+            raise UserError(f"sl_max must be >= 1, got {self.sl_max}")
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise UserError(f"policy threshold must be a finite number, got {t!r}")
+        # SLACK: the tuner picks thresholds just outside the last breakpoint (np.nextafter), which
+        # may sit a rounding step beyond 0 or 1 when a score is exactly 0 or 1.
+        if not -THRESHOLD_SLACK <= t <= 1.0 + THRESHOLD_SLACK:
+            sym = {"confidence": "tau (stop when top-1 < tau)", "predictor": "tau (stop when score < tau)"}.get(self.kind, "")
+            sym = "h (stop when 1 - prod(scores) > h)" if self.kind == "predictor" and self.rule == "cumprod" else sym
+            raise UserError(f"policy threshold {sym} must be in [0, 1], got {t!r}")
+        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1):
+            raise UserError(f"PEARL window gamma must be an integer >= 1, got {self.gamma!r}")
+        if self.family is not None and not isinstance(self.family, str):
+            raise UserError(f"policy family must be a string, got {self.family!r}")
+        if not isinstance(self.extra, dict):
+            raise UserError(f"policy extra must be a mapping, got {self.extra!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PolicySpec:
+        if not isinstance(d, dict):
+            raise UserError(f"a policy spec must be a mapping of keys to values, got {d!r}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown policy keys {sorted(unknown)}; valid keys: {sorted(known)}")
+            raise UserError(f"unknown policy keys {sorted(unknown)}; valid keys: {sorted(known)}")
         return cls(**d)
 
     @property
@@ -109,17 +141,34 @@ class PolicySpec:
 
 
 def parse_policy_string(text: str) -> PolicySpec:
-    """Parse the CLI forms ``static:4``, ``heuristic``, ``heuristic:3``, ``confidence:0.4``."""
-    name, _, arg = text.partition(":")
-    if name == "static":
-        return PolicySpec(kind="static", k=int(arg or 5))
-    if name == "heuristic":
-        return PolicySpec(kind="heuristic", start=int(arg or 5))
-    if name == "confidence":
-        return PolicySpec(kind="confidence", threshold=float(arg or 0.4))
-    raise ValueError(
-        f"unknown policy {text!r}: use static:K, heuristic[:START], confidence[:TAU] or an export folder"
-    )
+    """Parse the CLI forms ``static:4``, ``heuristic``, ``heuristic:3``, ``confidence:0.4``.
+
+    Raises:
+        UserError: an unknown form, a non-numeric argument or one out of range
+            (``static:K`` K >= 1, ``heuristic:S`` S >= 1, ``confidence:T`` 0 < T <= 1).
+    """
+    name, _, arg = str(text).partition(":")
+    forms = {"static": ("K", int, 5), "heuristic": ("START", int, 5), "confidence": ("TAU", float, 0.4)}
+    if name not in forms:
+        raise UserError(
+            f"unknown policy {text!r}: use static:K, heuristic[:START], confidence[:TAU] or an export folder"
+        )
+    what, typ, default = forms[name]
+    try:
+        value = typ(arg) if arg.strip() else default
+    except ValueError:
+        raise UserError(f"policy {text!r}: {what} must be {'an integer' if typ is int else 'a number'}, got {arg!r}") from None
+    if name == "confidence" and not (math.isfinite(value) and 0.0 < value <= 1.0):
+        # 0 would never stop (a static policy in disguise); above 1 would always stop.
+        raise UserError(f"policy {text!r}: confidence:TAU needs 0 < TAU <= 1 (the draft's top-1 probability), got {arg}")
+    try:
+        if name == "static":
+            return PolicySpec(kind="static", k=value)
+        if name == "heuristic":
+            return PolicySpec(kind="heuristic", start=value)
+        return PolicySpec(kind="confidence", threshold=value)
+    except UserError as err:
+        raise UserError(f"policy {text!r}: {err}") from None
 
 
 class RoundPolicy:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specstop.errors import UserError
+
 __all__ = [
     "DecodingConfig",
     "accept_probability",
@@ -50,11 +52,11 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+            raise UserError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -77,7 +79,7 @@ def logits_to_probs(logits: torch.Tensor, decoding: DecodingConfig, vocab_size: 
     """
     if vocab_size is not None:
         if logits.shape[-1] < vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"model emits {logits.shape[-1]} logits but the shared tokenizer has {vocab_size} tokens; "
                 "the model's output layer is smaller than its tokenizer - is this the right tokenizer?"
             )
@@ -119,7 +121,7 @@ def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def top_k_probs(probs: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest probabilities, sorted descending. ``[..., V] -> [..., k]``."""
     if k > probs.shape[-1]:
-        raise ValueError(f"top-k feature size k={k} exceeds the vocabulary ({probs.shape[-1]})")
+        raise UserError(f"top-k feature size k={k} exceeds the vocabulary ({probs.shape[-1]})")
     return torch.topk(probs.float(), k, dim=-1).values
 
 

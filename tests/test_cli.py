@@ -73,7 +73,9 @@ def test_old_spellings_still_work_with_a_note(capsys):
     import argparse
 
     from specstop.data_gen.cli import add_arguments, build_config
+    from specstop.log import setup_logging
 
+    setup_logging()  # the note is a log line of the `specstop` logger (as `specstop.cli.main` sets it up)
     parser = argparse.ArgumentParser(prog="specstop generate")
     add_arguments(parser)
     cfg = build_config(parser.parse_args(["--out", "x", "--topk", "7", "--prompts", "builtin:mbpp"]))

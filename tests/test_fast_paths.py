@@ -63,3 +63,26 @@ def test_pair_records_its_dtype_choice(tiny_pair_dir):
     pair = load_named_pair(str(tiny_pair_dir), dtype="float32", device="cpu")
     rec = pair.to_dict()["dtype"]
     assert rec["dtype"] == "float32" and rec["requested"] == "float32"
+
+
+def test_single_row_matvec_only_for_bf16_cpu_and_same_function():
+    from specstop.pair.fast_paths import single_row_matvec
+
+    f32 = tiny_causal_lm(64, seed=5)
+    assert single_row_matvec(f32) == 0  # float32 keeps F.linear
+    model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    step = torch.tensor([[7]])
+    from transformers import DynamicCache
+
+    def run():
+        c = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=c, use_cache=True)
+        one = model(input_ids=step, past_key_values=c, use_cache=True).logits
+        return one, model(input_ids=torch.cat([ids, step], 1)).logits
+    ref_one, ref_block = run()
+    n = single_row_matvec(model)
+    assert n == len([m for m in model.modules() if isinstance(m, torch.nn.Linear)]) and single_row_matvec(model) == 0
+    one, block = run()
+    torch.testing.assert_close(block, ref_block)  # blocks of 2+ rows keep the GEMM: bit-identical
+    torch.testing.assert_close(one.float(), ref_one.float(), atol=0.1, rtol=0.05)  # one row: another kernel

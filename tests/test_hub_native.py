@@ -162,3 +162,21 @@ def test_export_for_hf_writes_settings_and_the_custom_generate_folder(exports, t
     assert learned["generate_kwargs"] == {"custom_generate": str(out.resolve()), "trust_remote_code": True}
     assert (out / "custom_generate" / "generate.py").is_file() and (out / "model.safetensors").is_file()
     assert "custom_generate=" in capsys.readouterr().out
+    # The package is written in a temporary folder and renamed into place: generate.py must name
+    # the final folder, and the engine file written next to it must survive the rename.
+    assert repr(str(out.resolve())) in (out / "custom_generate" / "generate.py").read_text()
+
+
+def test_export_for_hf_again_needs_overwrite_and_keeps_the_settings(exports, tmp_path, capsys):
+    from specstop.cli import main
+
+    tuned = exports["disco"].parent / "tuned.json"
+    out = tmp_path / "hf"
+    args = ["export", "--tuned", str(tuned), "--out", str(out), "--for", "hf"]
+    assert main(args) == 0
+    assert main(args) == 2  # an existing export is replaced only on request
+    assert "pass --overwrite" in capsys.readouterr().err
+    (out / "hf.json").unlink()
+    assert main([*args, "--overwrite"]) == 0
+    assert (out / "hf.json").is_file() and (out / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no temporary folders left

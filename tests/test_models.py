@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from specstop.errors import UserError
 from specstop.models import (
     FeatureSpec,
     build_predictor,
@@ -72,7 +73,7 @@ def test_resnet_depth_range():
 
 def test_registry_names_and_errors():
     assert set(predictor_names()) >= {"disco_ffn", "specdecpp_resnet", "mcsd_hidden_mlp", "mcsd_topk_mlp"}
-    with pytest.raises(KeyError, match="valid names: .*disco_ffn"):
+    with pytest.raises(UserError, match="valid names: .*disco_ffn"):
         get_predictor_class("nope")
     with pytest.raises(ValueError, match="already registered"):
 

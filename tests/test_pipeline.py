@@ -159,6 +159,56 @@ def test_pipeline_trains_on_two_devices_without_rerunning_itself(pipeline_config
     assert (tmp_path / "run" / "export" / "config.json").is_file()
 
 
+def test_pipeline_stops_cleanly_on_low_memory_and_resumes(pipeline_config, tmp_path, monkeypatch, capsys):
+    """Memory running low in the data stage: a one-line message naming the stage, the measured memory
+    and what to reduce (never the OOM killer); the rerun resumes. Each stage frees its models."""
+    import gc
+    import pathlib
+    import weakref
+
+    from specstop import memory
+    from specstop.pair import registry
+
+    _, cfg = pipeline_config
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    cfg = {**cfg, "run_dir": str(tmp_path / "run"), "families": cfg["families"][:1], "online_prompts": 0}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    real_status, real_load = memory.memory_status, registry.load_named_pair
+    calls = {"n": 0}
+
+    def low_after_a_few_batches():
+        calls["n"] += 1
+        status = real_status()
+        return memory.MemoryStatus(10 << 20, status.total, status.rss) if calls["n"] > 3 else status
+
+    monkeypatch.setattr(memory, "POLL_SECONDS", 60.0)  # only the cooperative per-batch checks
+    monkeypatch.setattr(memory, "memory_status", low_after_a_few_batches)
+    assert main(["pipeline", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    line = next(ln for ln in err.splitlines() if ": error: " in ln)
+    assert line.startswith("specstop pipeline: error: stopped in specstop pipeline > pipeline stage 'data' > specstop generate before")
+    assert "RSS" in line and "--batch-size" in line and "rerun the same command to resume" in line
+    kept = complete_shards(pathlib.Path(cfg["run_dir"]) / "data", strict=False)
+    assert kept and not (tmp_path / "run" / "data" / "manifest.json").exists()
+
+    models = []
+
+    def tracked(*a, **kw):
+        pair = real_load(*a, **kw)
+        models.extend(weakref.ref(m) for m in (pair.draft, pair.target))
+        return pair
+
+    monkeypatch.setattr(memory, "memory_status", real_status)
+    monkeypatch.setattr(registry, "load_named_pair", tracked)
+    monkeypatch.setattr("specstop.pair.load_named_pair", tracked)
+    assert main(["pipeline", "--config", str(path)]) == 0
+    assert _stages(tmp_path / "run")["data"] == "ran"
+    assert models  # the data stage loaded the pair ...
+    gc.collect()
+    assert all(ref() is None for ref in models)  # ... and nothing holds it after the stage
+
+
 def test_pipeline_rejects_unknown_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run_dir: x\npair: y\nfamilys: []\n")

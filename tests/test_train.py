@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -130,6 +131,10 @@ def test_datamodule_rejects_prompt_in_two_splits(tmp_path):
         cols["split"] = ["test"] * len(cols["split"])
         tables[t] = cols
     write_shard(d, "test-00001", tables, k=10, hidden_size=None)  # a train prompt again, as test
+    man = json.loads((d / "manifest.json").read_text())  # a consistent manifest: the leak is the only defect
+    for key, table in (("prompts", "sequences"), ("tokens", "tokens"), ("mixed", "mixed"), ("rollouts", "rollouts")):
+        man["splits"]["test"][key] += len(tables[table]["split"])
+    (d / "manifest.json").write_text(json.dumps(man))
     dm = PredictorDataModule(str(d))
     dm.configure(build_predictor("disco_ffn").feature_spec, "greedy_match")
     with pytest.raises(ValueError, match="is in both the 'train' and 'test' splits"):

@@ -21,6 +21,7 @@ import logging
 
 from specstop.cli_flags import add_deprecated_alias
 from specstop.data_gen.config import DataGenConfig, load_config, set_path
+from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-shards", type=int, help="number of workers (default: $WORLD_SIZE or 1)")
     g.add_argument("--shard-index", type=int, help="this worker (default: $RANK or 0)")
     g.add_argument("--merge", action="store_true", help="only write manifest.json from the finished shards")
+    g.add_argument("--verify", action="store_true",
+                   help="only check the finished dataset in --data: every shard present, intact (sha256) and from one pair")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -122,7 +125,7 @@ def build_config(args: argparse.Namespace) -> DataGenConfig:
             set_path(cfg, path, v)
     if getattr(args, "prompt_field", None):
         if getattr(args, "template", None):
-            raise ValueError("give --prompt-field or --template, not both")
+            raise UserError("give --prompt-field or --template, not both")
         cfg.prompts.template = f"field:{args.prompt_field}"
     if getattr(args, "rollouts_on", None) is not None:
         cfg.labels.rollouts.splits = args.rollouts_on
@@ -137,35 +140,61 @@ def load_records(cfg: DataGenConfig) -> list:
 
     pc = cfg.prompts
     if not pc.source:
-        raise ValueError("no prompts given: pass --prompts FILE.jsonl (or set prompts.source in the config)")
+        raise UserError("no prompts given: pass --prompts FILE.jsonl (or set prompts.source in the config)")
     return load_prompt_set(pc)
+
+
+def verify(out: str) -> int:
+    """``--verify``: print what is wrong with a finished dataset (exit 2), or that it is intact."""
+    from specstop.data_gen.verify import dataset_problems
+
+    problems, n = dataset_problems(out)
+    if problems:
+        for p in problems:
+            print(f"{out}: {p}")
+        raise UserError(
+            f"{out}: {len(problems)} problem(s) in {n} shard(s) (listed above); rerun the `specstop generate` command "
+            "that made the dataset (same config and --data) to regenerate the damaged shards"
+        )
+    print(f"{out}: {n} shard(s) intact (every table present, sizes and sha256 match, one pair)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from specstop.data_gen.runner import generate_dataset, plan_shards, worker_from_env, write_manifest
+    from specstop.outputs import claim_output_dir
 
+    if getattr(args, "verify", False):
+        out = args.out or (load_config(args.config).out if args.config else None)
+        if not out:
+            raise UserError("--verify needs the dataset folder: pass --data DIR")
+        return verify(out)
     cfg = build_config(args)
     if not cfg.out:
-        raise ValueError("no output folder: pass --data DIR (or set out: in the config)")
+        raise UserError("no output folder: pass --data DIR (or set out: in the config)")
     records = load_records(cfg)
     if not records:
-        raise ValueError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
+        raise UserError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
     if args.merge:
-        path = write_manifest(cfg.out, cfg, plan_shards(records, cfg.prompts_per_shard))
+        with claim_output_dir(cfg.out, command=f"specstop generate --merge --data {cfg.out}"):
+            path = write_manifest(cfg.out, cfg, plan_shards(records, cfg.prompts_per_shard))
         print(path)
         return 0
     num_shards, shard_index = worker_from_env(cfg.num_shards, cfg.shard_index)
     from specstop.distributed import rank_local_device
     from specstop.pair import load_named_pair
 
-    pair = load_named_pair(
-        cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
-        target_device_map=cfg.target_device_map,
-    )
-    result = generate_dataset(
-        pair, records, cfg, cfg.out, num_shards=num_shards, shard_index=shard_index,
-        progress=not args.no_progress,
-    )
+    role = "all" if num_shards == 1 else f"worker-{shard_index}-of-{num_shards}"
+    # Claim the folder before loading the pair: a second run on it is refused in a second, not minutes.
+    with claim_output_dir(cfg.out, role=role, command=f"specstop generate --data {cfg.out}"):
+        pair = load_named_pair(
+            cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
+            target_device_map=cfg.target_device_map,
+        )
+        result = generate_dataset(
+            pair, records, cfg, cfg.out, num_shards=num_shards, shard_index=shard_index,
+            progress=not args.no_progress,
+        )
     log.info("generated %d shard(s), kept %d finished one(s)", len(result["done"]), len(result["skipped"]))
     if result["manifest"]:
         print(result["manifest"])

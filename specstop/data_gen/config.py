@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
+from specstop.errors import MissingInputError, UserError
+from specstop.names import check_plain_name
+from specstop.pair.preflight import check_dtype_name
 from specstop.probs import DecodingConfig
 from specstop.prompts.sources import PromptSetConfig
 
@@ -27,7 +31,6 @@ class PromptsConfig(PromptSetConfig):
     the ``--prompts`` flag instead of the YAML (so it may be unset while the config is assembled)."""
 
     source: str | None = None
-    split_sizes: Any = None
 
 
 @dataclass
@@ -97,22 +100,40 @@ class DataGenConfig:
     labels: LabelsConfig = field(default_factory=LabelsConfig)
 
     def validate(self) -> None:
-        g, lab = self.generation, self.labels
-        g.decoding()  # validates temperature/top_k/top_p
-        if g.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens must be >= 1, got {g.max_new_tokens}")
-        if g.batch_size < 1:
-            raise ValueError(f"generation.batch_size must be >= 1, got {g.batch_size}")
+        """Check every setting's range (types were checked when the config was read).
+
+        Raises:
+            UserError: naming the key, the value and the allowed range.
+        """
+        g, lab, pc = self.generation, self.labels, self.prompts
+        for key, value, hint in _typed_settings(self):
+            check_type(value, hint, key)  # flags and programmatic edits bypass the YAML reader
+        check_range("generation.temperature", g.temperature, low=0.0)
+        check_range("generation.top_p", g.top_p, low=0.0, high=1.0, low_open=True)
+        for key, value, low in (
+            ("generation.max_new_tokens", g.max_new_tokens, 1),
+            ("generation.batch_size", g.batch_size, 1),
+            ("generation.top_k", g.top_k, 0),
+            ("generation.max_prompt_tokens", g.max_prompt_tokens, 1),
+            ("labels.topk_k", lab.topk_k, 1),
+            ("labels.chunk_rows", lab.chunk_rows, 1),
+            ("labels.mixing.draws", lab.mixing.draws, 0),
+            ("labels.rollouts.length", lab.rollouts.length, 0),
+            ("labels.rollouts.batch_size", lab.rollouts.batch_size, 1),
+            ("prompts_per_shard", self.prompts_per_shard, 1),
+            ("num_shards", self.num_shards, 1),
+            ("shard_index", self.shard_index, 0),
+            ("prompts.limit", pc.limit, 0),
+        ):
+            check_range(key, value, low=low)
+        check_range("labels.mixing.rate", lab.mixing.rate, low=0.0, high=1.0)
         if g.prompt_overflow not in PROMPT_OVERFLOW:
-            raise ValueError(f"generation.prompt_overflow must be one of {PROMPT_OVERFLOW}, got {g.prompt_overflow!r}")
-        if lab.topk_k < 1:
-            raise ValueError(f"labels.topk_k must be >= 1, got {lab.topk_k}")
-        if not 0.0 <= lab.mixing.rate <= 1.0:
-            raise ValueError(f"labels.mixing.rate must be in [0, 1], got {lab.mixing.rate}")
-        if lab.mixing.draws < 0 or lab.rollouts.length < 0:
-            raise ValueError("labels.mixing.draws and labels.rollouts.length must be >= 0")
-        if self.prompts_per_shard < 1:
-            raise ValueError(f"prompts_per_shard must be >= 1, got {self.prompts_per_shard}")
+            raise UserError(f"generation.prompt_overflow must be one of {PROMPT_OVERFLOW}, got {g.prompt_overflow!r}")
+        for split in [*lab.mixing.splits, *lab.rollouts.splits, *(pc.split_sizes or {})]:
+            check_plain_name(split, "split name")
+        if pc.split_scheme.startswith("all:"):
+            check_plain_name(pc.split_scheme[4:], "split name (in split_scheme)")
+        check_dtype_name(self.dtype)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -130,44 +151,28 @@ class DataGenConfig:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _from_dict(cls, data: dict, where: str):
-    if not isinstance(data, dict):
-        raise ValueError(f"config section {where or 'top level'} must be a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ValueError(
-                f"unknown config key {where + key!r}; valid keys{' in ' + where.rstrip('.') if where else ''}: "
-                f"{', '.join(names)}"
-            )
-        sub = hints[key]
-        if dataclasses.is_dataclass(sub):
-            value = _from_dict(sub, value or {}, f"{where}{key}.")
-        kwargs[key] = value
-    return cls(**kwargs)
+def _typed_settings(obj, where: str = ""):
+    """``(dotted key, value, type hint)`` of every leaf setting of a config dataclass."""
+    hints = get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _typed_settings(value, f"{where}{f.name}.")
+        else:
+            yield f"{where}{f.name}", value, hints[f.name]
 
 
-def config_from_dict(data: dict) -> DataGenConfig:
-    """Build a :class:`DataGenConfig`, rejecting unknown keys at every level."""
-    cfg = _from_dict(DataGenConfig, data or {}, "")
-    return cfg
+def config_from_dict(data: dict, source: str | None = None) -> DataGenConfig:
+    """Build a :class:`DataGenConfig`, rejecting unknown keys and wrongly typed values at every level."""
+    return dataclass_from_dict(DataGenConfig, {} if data is None else data, "", source)
 
 
 def load_config(path: str | Path) -> DataGenConfig:
-    """Read a YAML config (see ``configs/data/``)."""
-    import yaml
-
+    """Read a YAML config (see ``configs/data/``); errors name the file and the key or line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config file {p} not found (configs live in configs/data/*.yaml)")
-    with open(p) as f:
-        data = yaml.safe_load(f) or {}
-    try:
-        return config_from_dict(data)
-    except ValueError as err:
-        raise ValueError(f"{p}: {err}") from None
+        raise MissingInputError(f"config file {p} not found (configs live in configs/data/*.yaml)")
+    return config_from_dict(read_yaml(p), source=str(p))
 
 
 def set_path(cfg: DataGenConfig, dotted: str, value: Any) -> None:
@@ -177,5 +182,5 @@ def set_path(cfg: DataGenConfig, dotted: str, value: Any) -> None:
     for part in parents:
         obj = getattr(obj, part)
     if not hasattr(obj, last):
-        raise ValueError(f"unknown config key {dotted!r}")
-    setattr(obj, last, value)
+        raise UserError(f"unknown config key {dotted!r}")
+    setattr(obj, last, check_type(value, get_type_hints(type(obj))[last], dotted))

@@ -17,6 +17,7 @@ import torch
 
 from specstop.data_gen.batching import sample_from_uniform, uniforms
 from specstop.data_gen.forward import forward_positions
+from specstop.errors import UserError
 from specstop.probs import (
     DecodingConfig,
     accept_probability,
@@ -41,13 +42,17 @@ class TeacherLabels:
     columns: dict[str, np.ndarray]
 
 
+class NonFiniteLogitsError(UserError, FloatingPointError):
+    """A model produced NaN/inf logits (usually an overflow in float16)."""
+
+
 def check_finite(logits: torch.Tensor, row0: int, offsets: Sequence[int], prompt_ids: Sequence[str], who: str) -> None:
     """Raise naming the prompt (and position) when ``logits [r, V]`` hold NaN or inf."""
     bad = ~torch.isfinite(logits).all(-1)
     if bool(bad.any()):
         r = row0 + int(bad.nonzero()[0, 0])
         b = int(np.searchsorted(np.asarray(offsets), r, side="right") - 1)
-        raise FloatingPointError(
+        raise NonFiniteLogitsError(
             f"the {who} produced NaN/inf logits for prompt {prompt_ids[b]!r} at response position "
             f"{r - offsets[b]}; the model overflows in its dtype - rerun with --dtype float32 (or bfloat16 "
             "instead of float16), or drop the prompt"

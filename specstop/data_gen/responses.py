@@ -17,6 +17,7 @@ import torch
 
 from specstop.data_gen.batching import derive_seed, left_pad
 from specstop.data_gen.config import GenerationConfig
+from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +85,16 @@ def prepare_prompts(
     out, skipped = [], []
     for rec in records:
         if not str(rec.text).strip():
-            raise ValueError(
+            raise UserError(
                 f"prompt {rec.prompt_id!r} is empty; remove it from the prompt set or fix its template/field"
             )
         ids = list(render(rec.text))
         if not ids:
-            raise ValueError(f"prompt {rec.prompt_id!r} renders to zero tokens; check the template")
+            raise UserError(f"prompt {rec.prompt_id!r} renders to zero tokens; check the template")
         truncated = False
         if limit is not None and len(ids) > limit:
             if limit < 1:
-                raise ValueError(
+                raise UserError(
                     f"no room for prompts: the context leaves {limit} tokens after max_new_tokens; "
                     "lower generation.max_new_tokens"
                 )
@@ -119,7 +120,7 @@ def eos_ids(pair) -> list[int]:
         if e is not None and int(e) not in ids and int(e) < pair.vocab_size:
             ids.append(int(e))
     if not ids:
-        raise ValueError("the tokenizer and the target define no EOS token; set tokenizer.eos_token")
+        raise UserError("the tokenizer and the target define no EOS token; set tokenizer.eos_token")
     return ids
 
 

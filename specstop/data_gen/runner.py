@@ -9,6 +9,7 @@ matches and regenerates the rest, so no prompt is duplicated or dropped.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,9 @@ from specstop.data_gen.storage import (
     shard_name,
     write_shard,
 )
+from specstop.errors import UserError
+from specstop.outputs import claim_output_dir
+from specstop.pair.identity import check_same_pair
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ def plan_shards(records: Sequence, prompts_per_shard: int) -> list[ShardPlan]:
     seen = set()
     for r in records:
         if r.prompt_id in seen:
-            raise ValueError(f"prompt id {r.prompt_id!r} occurs twice; prompt ids must be unique (set id_field)")
+            raise UserError(f"prompt id {r.prompt_id!r} occurs twice; prompt ids must be unique (set id_field)")
         seen.add(r.prompt_id)
     splits = sorted(by_split, key=lambda s: (SPLIT_ORDER.index(s) if s in SPLIT_ORDER else len(SPLIT_ORDER), s))
     plan, ordinal = [], 0
@@ -81,29 +85,46 @@ def worker_from_env(num_shards: int | None, shard_index: int | None) -> tuple[in
     n = num_shards if num_shards is not None else int(os.environ.get("WORLD_SIZE", "1"))
     i = shard_index if shard_index is not None else int(os.environ.get("RANK", "0"))
     if n < 1 or not 0 <= i < n:
-        raise ValueError(f"--shard-index must be in [0, --num-shards) and --num-shards >= 1; got index {i} of {n}")
+        raise UserError(f"--shard-index must be in [0, --num-shards) and --num-shards >= 1; got index {i} of {n}")
     return n, i
 
 
-def _shard_status(out_dir: Path, plan: ShardPlan, fingerprint: str) -> str:
-    """'done' (verified, same prompts and settings), 'missing' or 'stale' (different prompts)."""
+def _shard_status(
+    out_dir: Path, plan: ShardPlan, fingerprint: str, pair: dict | None = None, *, check_hashes: bool = True
+) -> str:
+    """'done' (verified, same prompts and settings), 'missing' or 'stale' (different prompts).
+
+    ``check_hashes=False`` for shards this process has just written (their hashes were computed
+    while writing; re-reading a large dataset twice at the end of a run buys nothing).
+
+    Raises:
+        UserError: the shard was made with other label settings, or (when ``pair`` is given) with
+            another model pair or dtype - a dataset must never mix them.
+    """
     path = storage.shards_root(out_dir) / plan.name
-    if not path.is_dir() or not storage.verify_shard(path):
+    if not path.is_dir() or not storage.verify_shard(path, check_hashes=check_hashes):
         return "missing"
     meta = (read_shard_record(path) or {}).get("meta", {})
     if meta.get("fingerprint") != fingerprint:
-        raise ValueError(
+        raise UserError(
             f"{path} was written with other label settings (fingerprint {meta.get('fingerprint')} != {fingerprint}); "
             "a dataset must not mix settings: use a new --data folder, or delete that folder to start over"
+        )
+    if pair is not None:
+        check_same_pair(
+            meta.get("pair"), pair, dtype=True, name=True,
+            what=f"{path} was generated with another model pair or dtype than this run",
+            fix="a dataset must not mix pairs: rerun with the --pair/--draft/--target and --dtype it was started "
+            "with, or use a new --data folder",
         )
     return "done" if meta.get("prompt_ids") == plan.prompt_ids else "stale"
 
 
 def check_no_foreign_shards(out_dir: Path, plan: Sequence[ShardPlan]) -> None:
     names = {p.name for p in plan}
-    foreign = [p.name for p in complete_shards(out_dir) if p.name not in names]
+    foreign = [p.name for p in complete_shards(out_dir, strict=False) if p.name not in names]
     if foreign:
-        raise ValueError(
+        raise UserError(
             f"{out_dir} holds shards that this prompt set does not produce: {', '.join(foreign[:5])}"
             f"{' ...' if len(foreign) > 5 else ''} (from a run with another prompt set, --limit or "
             "prompts_per_shard?); use a new --data folder, or delete them"
@@ -138,24 +159,34 @@ def generate_dataset(
     Returns:
         ``{"done": [...], "skipped": [...], "manifest": path or None}``.
     """
+    cfg.validate()
+    # Fail before any model work (and before creating the folder) rather than hours into a run.
+    empty = [r.prompt_id for r in records if not str(r.text).strip()]
+    if empty:
+        raise UserError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
+    plan = plan_shards(records, cfg.prompts_per_shard)
+    role = "all" if num_shards == 1 else f"worker-{shard_index}-of-{num_shards}"
+    with claim_output_dir(out_dir, role=role, command=f"specstop generate --data {out_dir}") as out:
+        return _generate_locked(
+            pair, plan, cfg, out, render=render, num_shards=num_shards, shard_index=shard_index,
+            prompt_info=prompt_info, progress=progress,
+        )
+
+
+def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_index, prompt_info, progress) -> dict:
+    """:func:`generate_dataset` once the output folder is claimed (see there)."""
     import datasets
     from tqdm.auto import tqdm
 
-    cfg.validate()
     datasets.disable_progress_bars()  # one bar per table write would drown ours
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Fail before any model work rather than hours into a run.
-    empty = [r.prompt_id for r in records if not str(r.text).strip()]
-    if empty:
-        raise ValueError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
-    plan = plan_shards(records, cfg.prompts_per_shard)
-    # Only this worker's shards: the others may be mid-write in the same folder.
-    removed = clean_partial_shards(out, [p.name for p in plan if p.ordinal % num_shards == shard_index])
+    mine = [p for p in plan if p.ordinal % num_shards == shard_index]
+    # Only this worker's shards: other workers of the job may be writing theirs right now.
+    removed = clean_partial_shards(out, names=[p.name for p in mine])
     if removed:
         log.info("removed %d partial/corrupt shard folder(s) from an interrupted run: %s", len(removed), ", ".join(removed))
     check_no_foreign_shards(out, plan)
     fp = cfg.label_fingerprint()
+    pair_id = json.loads(json.dumps(pair.to_dict()))  # as stored in shard records
     render = render or default_render(pair.tokenizer, cfg.prompts.chat_template, cfg.prompts.system_prompt)
     limit = max_prompt_tokens(pair, cfg.generation)
     hidden_size = pair.draft_identity.hidden_size if cfg.labels.hidden_states else None
@@ -164,26 +195,43 @@ def generate_dataset(
     if cfg.generation.temperature > 0 and cfg.labels.rollouts.length > 0 and cfg.labels.rollouts.splits:
         log.info("rollouts skipped: they serve exact replay of greedy decoding and this run samples (T > 0)")
 
-    mine = [p for p in plan if p.ordinal % num_shards == shard_index]
     todo, skipped = [], []
     for p in mine:
-        status = _shard_status(out, p, fp)
+        status = _shard_status(out, p, fp, pair_id)
         (skipped if status == "done" else todo).append(p)
         if status == "stale":
             log.info("shard %s holds other prompts than planned: regenerating it", p.name)
     if skipped:
         log.info("resuming: %d verified shard(s) kept, %d to generate", len(skipped), len(todo))
     pair_meta = {
-        "pair": pair.to_dict(), "eos_token_id": eos_ids(pair), "max_prompt_tokens": limit,
+        "pair": pair_id, "eos_token_id": eos_ids(pair), "max_prompt_tokens": limit,
         "hidden_size": hidden_size, "draft_hidden_size": pair.draft_identity.hidden_size,
     }
     bar = tqdm(total=sum(len(p.records) for p in todo), unit="prompt", disable=not progress, desc="generate")
+    try:  # close the bar on errors too, so the error message starts on its own line
+        _write_todo(pair, todo, cfg, out, render, limit, hidden_size, fp, pair_meta, bar)
+    finally:
+        bar.close()
+    manifest = None
+    written = {p.name for p in todo}
+    if all(_shard_status(out, p, fp, check_hashes=p.name not in written) == "done" for p in plan):
+        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info, just_written=written)
+    elif num_shards > 1:
+        log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
+    return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
+
+
+def _write_todo(pair, todo, cfg, out, render, limit, hidden_size, fp, pair_meta, bar) -> None:
+    """Label and write the shards in ``todo`` (the body of :func:`generate_dataset`)."""
+    from specstop.memory import check_memory
+
     t0, n_tok = time.perf_counter(), 0
     for p in todo:
         prepared, dropped = prepare_prompts(p.records, render, limit, cfg.generation.prompt_overflow)
         tables = BatchTables()
         bs = cfg.generation.batch_size
         for s in range(0, len(prepared), bs):
+            check_memory()  # stop cleanly between batches; finished shards are kept
             label_batch(pair, prepared[s : s + bs], p.split, cfg, tables)
             bar.update(len(prepared[s : s + bs]))
             dt = max(time.perf_counter() - t0, 1e-9)
@@ -195,13 +243,6 @@ def generate_dataset(
             "rollout_steps": tables.rollout_steps, "response_tokens": tables.response_tokens, **pair_meta,
         }
         write_shard(out, p.name, tables.finish(), k=cfg.labels.topk_k, hidden_size=hidden_size, meta=meta)
-    bar.close()
-    manifest = None
-    if all(_shard_status(out, p, fp) == "done" for p in plan):
-        manifest = write_manifest(out, cfg, plan, prompt_info=prompt_info)
-    elif num_shards > 1:
-        log.info("worker %d/%d done; run with --merge once every worker has finished", shard_index, num_shards)
-    return {"done": [p.name for p in todo], "skipped": [p.name for p in skipped], "manifest": manifest}
 
 
 def prompt_info_from_config(cfg: DataGenConfig) -> dict:
@@ -217,19 +258,29 @@ def _arrow_bytes(shard: Path) -> int:
     return sum(f.stat().st_size for f in shard.rglob("*.arrow"))
 
 
-def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[ShardPlan], *, prompt_info: dict | None = None) -> Path:
+def write_manifest(
+    out_dir: str | Path,
+    cfg: DataGenConfig,
+    plan: Sequence[ShardPlan],
+    *,
+    prompt_info: dict | None = None,
+    just_written: set[str] | frozenset[str] = frozenset(),
+) -> Path:
     """Write ``manifest.json`` (keys as in docs/design.md) from the finished shards of ``plan``.
 
+    ``just_written``: shards this process wrote a moment ago (checked by size, not re-hashed).
+
     Raises:
-        ValueError: a planned shard is missing, unverified or holds other prompts.
+        UserError: a planned shard is missing, unverified or holds other prompts, or shards were
+            generated with different pairs or dtypes.
     """
     from specstop import __version__
 
     out = Path(out_dir)
     fp = cfg.label_fingerprint()
-    missing = [p.name for p in plan if _shard_status(out, p, fp) != "done"]
+    missing = [p.name for p in plan if _shard_status(out, p, fp, check_hashes=p.name not in just_written) != "done"]
     if missing:
-        raise ValueError(
+        raise UserError(
             f"cannot write the manifest: {len(missing)} shard(s) not finished ({', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}); run the remaining workers (or rerun) first"
         )
@@ -240,6 +291,14 @@ def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[Shard
     for p in plan:
         path = storage.shards_root(out) / p.name
         rec = read_shard_record(path)
+        if meta0 is not None:
+            # Workers (or resumed runs) that loaded another pair or dtype must not be merged.
+            check_same_pair(
+                meta0.get("pair"), rec["meta"].get("pair"), dtype=True, name=True,
+                what=f"cannot write the manifest: shard {p.name} was generated with another model pair or dtype "
+                f"than shard {plan[0].name}",
+                fix="regenerate the odd shards with the pair and --dtype of the others (delete their folders and rerun)",
+            )
         meta0 = meta0 or rec["meta"]
         s = splits.setdefault(p.split, {"prompts": 0, "tokens": 0, "mixed": 0, "rollouts": 0})
         s["prompts"] += rec["rows"]["sequences"]
@@ -291,6 +350,8 @@ def write_manifest(out_dir: str | Path, cfg: DataGenConfig, plan: Sequence[Shard
         },
         "splits": splits,
         "bytes_per_token": bpt,
+        # Every shard a reader must find (intact): a missing or damaged one is an error, not a skip.
+        "shards": [p.name for p in plan],
     }
     path = out / storage.MANIFEST
     atomic_write_json(path, manifest)

@@ -7,9 +7,12 @@ Layout::
     OUT/shards/<split>-<index:05d>/_COMPLETE.json                      # written last
 
 A shard is written under a temporary name and renamed into place only when every table and its
-``_COMPLETE.json`` (file sizes + sha256) exist, so a crash can leave a ``.tmp-*`` folder but never
-a half-written shard under its final name. :func:`verify_shard` re-checks sizes (and optionally
-hashes) before a resumed run trusts a shard.
+``_COMPLETE.json`` (the tables it must hold, every file's size and sha256) exist, so a crash can
+leave a ``.tmp-*`` folder but never a half-written shard under its final name.
+:func:`shard_problem` re-checks the record - every expected table present, every file with its
+size and sha256 - before a resumed run trusts a shard and whenever a finished dataset is read
+(hashes are computed once per file and process). In a finished dataset (one with
+``manifest.json``) a damaged or missing shard is an error, never silently skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from specstop.data_gen.schema import TABLES, features_for
+from specstop.errors import MissingInputError, UserError
+from specstop.names import check_plain_name
 
 COMPLETE_MARKER = "_COMPLETE.json"
 MANIFEST = "manifest.json"
@@ -37,7 +43,8 @@ def shards_root(out_dir: str | Path) -> Path:
 
 
 def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}"
+    """``<split>-<index:05d>``; the split must be a plain name (the shard folder stays inside the dataset)."""
+    return f"{check_plain_name(split, 'split name')}-{index:05d}"
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -73,6 +80,24 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_HASHES: dict[str, tuple[int, int, str]] = {}
+
+
+def _sha256_cached(path: Path) -> str:
+    """sha256 of ``path``, computed once per (size, mtime) in this process (readers call it often)."""
+    st = path.stat()
+    key = str(path.resolve())
+    hit = _HASHES.get(key)
+    if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
+        return hit[2]
+    digest = _sha256(path)
+    # A file modified within the filesystem's timestamp granularity of its last write keeps its
+    # mtime: only remember hashes of files that have been quiet for a while.
+    if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+        _HASHES[key] = (st.st_size, st.st_mtime_ns, digest)
+    return digest
 
 
 def _file_records(folder: Path) -> dict[str, dict]:
@@ -123,7 +148,13 @@ def write_shard(
             ds = Dataset.from_dict(data, features=feats)
             ds.save_to_disk(str(tmp / table))
             rows[table] = len(ds)
-        record = {"name": name, "rows": rows, "files": _file_records(tmp), "meta": dict(meta or {})}
+        files = _file_records(tmp)
+        # Someone else deleting our temporary folder mid-write (a second writer without the lock)
+        # must not produce a shard that lacks a table yet passes verification.
+        lost = [t for t in TABLES if f"{t}/state.json" not in files]
+        if lost:
+            raise RuntimeError(f"shard {name}: tables {lost} vanished from {tmp} while it was written")
+        record = {"name": name, "tables": list(TABLES), "rows": rows, "files": files, "meta": dict(meta or {})}
         atomic_write_json(tmp / COMPLETE_MARKER, record)
         if final.exists():
             shutil.rmtree(final)
@@ -155,41 +186,59 @@ def read_shard_record(path: str | Path) -> dict | None:
     return read_json_or_none(Path(path) / COMPLETE_MARKER)
 
 
-def verify_shard(path: str | Path, *, check_hashes: bool = False) -> bool:
-    """True when the shard's marker exists and every recorded file has its recorded size (and hash)."""
+def shard_problem(path: str | Path, *, check_hashes: bool = True) -> str | None:
+    """What is wrong with a shard folder, or None when it is complete and intact.
+
+    Checks the completion record exists, lists every expected table, and that every recorded
+    file has its recorded size (and sha256, with ``check_hashes``).
+    """
     path = Path(path)
+    if not path.is_dir():
+        return "the shard folder is missing"
     rec = read_shard_record(path)
     if rec is None:
-        return False
-    for rel, info in rec.get("files", {}).items():
+        return f"no readable {COMPLETE_MARKER} (the write was interrupted)"
+    files = rec.get("files") or {}
+    # Records from before "tables" existed must still hold all four tables.
+    for table in rec.get("tables") or TABLES:
+        if f"{table}/state.json" not in files:
+            return f"table {table!r} is missing from its completion record"
+    for rel, info in files.items():
         f = path / rel
-        if not f.is_file() or f.stat().st_size != info["bytes"]:
-            return False
-        if check_hashes and _sha256(f) != info["sha256"]:
-            return False
-    return True
+        if not f.is_file():
+            return f"file {rel} is missing"
+        if f.stat().st_size != info.get("bytes"):
+            return f"file {rel} has {f.stat().st_size} bytes, its record says {info.get('bytes')}"
+        if check_hashes and _sha256_cached(f) != info.get("sha256"):
+            return f"file {rel} does not match its recorded sha256 (its bytes changed)"
+    return None
+
+
+def verify_shard(path: str | Path, *, check_hashes: bool = True) -> bool:
+    """True when :func:`shard_problem` finds nothing wrong."""
+    return shard_problem(path, check_hashes=check_hashes) is None
 
 
 def _tmp_owner(name: str) -> str:
-    """The shard a ``.tmp-<shard>-<random>`` folder was being written for."""
-    return name[len(".tmp-") :].rsplit("-", 1)[0]
+    """The shard a ``.tmp-<shard>-<uuid8>`` folder was being written for."""
+    return name[len(".tmp-"):].rsplit("-", 1)[0]
 
 
 def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None) -> list[str]:
     """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification.
 
     Args:
-        names: only these shards (a worker's own): other workers may be writing theirs right now,
-            and their temporary folders must not be touched. None cleans every shard.
+        out_dir: dataset folder.
+        names: only touch these shards (a worker cleans its own; others may be writing theirs).
     """
     removed = []
     root = shards_root(out_dir)
     if not root.is_dir():
         return removed
-    keep = None if names is None else set(names)
+    mine = None if names is None else set(names)
     for p in sorted(root.iterdir()):
         owner = _tmp_owner(p.name) if p.name.startswith(".tmp-") else p.name
-        if keep is not None and owner not in keep:
+        if mine is not None and owner not in mine:
             continue
         if p.name.startswith(".tmp-") or (p.is_dir() and not verify_shard(p)):
             shutil.rmtree(p, ignore_errors=True)
@@ -197,30 +246,74 @@ def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None
     return removed
 
 
-def complete_shards(out_dir: str | Path, split: str | None = None) -> list[Path]:
-    """Verified shard folders, sorted by name, optionally of one split."""
+class DamagedDatasetError(UserError):
+    """A finished dataset has a missing or damaged shard."""
+
+
+def damaged_message(out_dir: str | Path, name: str, problem: str) -> str:
+    return (
+        f"dataset {out_dir} is damaged: shard {name}: {problem}. Reading on would silently drop its rows; "
+        "rerun the `specstop generate` command that made it (same config and --data): it regenerates only "
+        f"damaged shards (`specstop generate --verify --data {out_dir}` lists them all)"
+    )
+
+
+def expected_shards(out_dir: str | Path) -> list[str] | None:
+    """Shard names a finished dataset must hold (its manifest's list; every shard folder for
+    manifests written before the list existed), or None when there is no manifest."""
+    man = read_json_or_none(Path(out_dir) / MANIFEST)
+    if man is None:
+        return None
+    if isinstance(man.get("shards"), list):
+        return [str(n) for n in man["shards"]]
     root = shards_root(out_dir)
-    if not root.is_dir():
-        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+
+
+def complete_shards(out_dir: str | Path, split: str | None = None, *, strict: bool | None = None) -> list[Path]:
+    """Verified shard folders, sorted by name, optionally of one split.
+
+    Args:
+        out_dir: dataset folder.
+        split: only this split's shards.
+        strict: raise :class:`DamagedDatasetError` for a missing or damaged shard instead of leaving
+            it out. Default: strict when the dataset is finished (has a manifest); a dataset still
+            being generated is read leniently (its unfinished shards are simply not there yet).
+    """
+    root = shards_root(out_dir)
+    expected = expected_shards(out_dir)
+    if strict is None:
+        strict = expected is not None
+    if strict and expected is not None:
+        names = expected
+    else:
+        names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
     out = []
-    for p in sorted(root.iterdir()):
-        if p.name.startswith(".") or not p.is_dir():
+    for name in names:
+        if split is not None and not name.startswith(f"{split}-"):
             continue
-        if split is not None and not p.name.startswith(f"{split}-"):
-            continue
-        if verify_shard(p):
-            out.append(p)
+        problem = shard_problem(root / name)
+        if problem is None:
+            out.append(root / name)
+        elif strict:
+            raise DamagedDatasetError(damaged_message(out_dir, name, problem))
     return out
 
 
 def read_manifest(out_dir: str | Path) -> dict:
     p = Path(out_dir) / MANIFEST
     if not p.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{out_dir} has no {MANIFEST}: not a specstop dataset, or `specstop generate` has not finished "
             "(rerun it: finished shards are kept)"
         )
-    return json.loads(p.read_text())
+    try:
+        man = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{p} is not valid JSON ({err}); rerun `specstop generate --merge` on {out_dir} to rewrite it") from None
+    if not isinstance(man, dict):
+        raise UserError(f"{p} is not a dataset manifest (a JSON object); rerun `specstop generate --merge` on {out_dir}")
+    return man
 
 
 def load_table(out_dir: str | Path, table: str, split: str | None = None):
@@ -228,7 +321,7 @@ def load_table(out_dir: str | Path, table: str, split: str | None = None):
     from datasets import concatenate_datasets, load_from_disk
 
     if table not in TABLES:
-        raise ValueError(f"unknown table {table!r}; tables are {TABLES}")
+        raise UserError(f"unknown table {table!r}; tables are {TABLES}")
     parts = []
     for p in complete_shards(out_dir, split):
         # An empty table is saved without any .arrow file, which load_from_disk cannot open:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
 
 log = logging.getLogger("specstop")
@@ -74,24 +75,27 @@ def read_prompts(path: str | None, limit: int = 8) -> list[str]:
         return list(DEFAULT_PROMPTS)[:limit]
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--prompts {path}: no such file (give a text file, one prompt per line, or JSONL)")
+        raise MissingInputError(f"--prompts {path}: no such file (give a text file, one prompt per line, or JSONL)")
     out = []
     for line in p.read_text().splitlines():
         line = line.strip()
         if not line:
             continue
         if line.startswith("{"):
-            rec = json.loads(line)
-            text = rec.get("prompt") or rec.get("text")
+            try:
+                rec = json.loads(line)
+            except ValueError as err:
+                raise UserError(f"{path}: a line is not valid JSON ({err}); give JSONL or plain text lines") from None
+            text = rec.get("prompt") or rec.get("text") if isinstance(rec, dict) else None
             if not text:
-                raise ValueError(f"{path}: JSONL records need a 'prompt' or 'text' field")
+                raise UserError(f"{path}: JSONL records need a 'prompt' or 'text' field")
             out.append(text)
         else:
             out.append(line.replace("\\n", "\n"))
         if len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{path} holds no prompts")
+        raise UserError(f"{path} holds no prompts")
     return out
 
 
@@ -105,7 +109,7 @@ def context_from_data(data_dir: str) -> tuple[list[int], int]:
     if len(seqs) == 0:
         seqs = load_table(data_dir, "sequences")
     if len(seqs) == 0:
-        raise ValueError(f"{data_dir} holds no sequences to take a context from")
+        raise UserError(f"{data_dir} holds no sequences to take a context from")
     plen = [len(p) for p in seqs["prompt_ids"]]
     target = int(np.mean(plen) + man["generation"]["max_new_tokens"] / 2)
     ids: list[int] = []
@@ -166,7 +170,7 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     ctx = context[:context_tokens]
     block = context[context_tokens : context_tokens + max(k_grid) + 1]
     if len(block) < max(k_grid) + 1:
-        raise ValueError(f"context too short: need {context_tokens + max(k_grid) + 1} tokens, have {len(context)}")
+        raise UserError(f"context too short: need {context_tokens + max(k_grid) + 1} tokens, have {len(context)}")
     draft = _Cached(pair.draft, ctx)
     target = _Cached(pair.target, ctx)
     # Warm-up: allocator, kernel choice (oneDNN primitives per shape), caches.
@@ -345,11 +349,14 @@ def run(args) -> int:
     from specstop.export.runtime import StoppingPolicy
     from specstop.pair.registry import load_named_pair
 
-    k_grid = tuple(sorted({int(k) for k in str(args.k_grid).split(",") if k.strip()}))
+    try:
+        k_grid = tuple(sorted({int(k) for k in str(args.k_grid).split(",") if k.strip()}))
+    except ValueError:
+        raise UserError(f"--k-grid takes comma-separated integers, got {args.k_grid!r}") from None
     if not k_grid or min(k_grid) < 0:
-        raise ValueError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
-    if args.budget <= 0:
-        raise ValueError(f"--budget must be > 0 seconds, got {args.budget}")
+        raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
+    if not args.budget > 0:
+        raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
     if args.data:
         context, n_ctx = context_from_data(args.data)

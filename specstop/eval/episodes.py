@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specstop.errors import UserError
+
 TOKEN_COLUMNS = (
     "position",
     "token",
@@ -262,7 +264,7 @@ def load_replay_data(data_dir: str | Path, split: str, *, need_rollouts: bool | 
     cols = ["prompt_id", *TOKEN_COLUMNS, "verified"]
     tok = load_arrays(data_dir, "tokens", split, columns=cols)
     if len(tok["position"]) == 0:
-        raise ValueError(
+        raise UserError(
             f"split {split!r} of {data_dir} has no token rows; splits present: "
             f"{sorted(man.get('splits', {}))}. Pick another --split or regenerate the dataset."
         )
@@ -274,7 +276,7 @@ def load_replay_data(data_dir: str | Path, split: str, *, need_rollouts: bool | 
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     expect = np.arange(len(pos)) - np.repeat(offsets[:-1], counts)
     if not np.array_equal(pos, expect):
-        raise ValueError(
+        raise UserError(
             f"{data_dir} split {split!r}: token positions are not 0..N-1 for every prompt (duplicate or missing "
             "rows; a shard may be incomplete). Rerun `specstop generate` on that folder to repair it."
         )
@@ -310,7 +312,7 @@ def load_replay_data(data_dir: str | Path, split: str, *, need_rollouts: bool | 
         need_rollouts = data.temperature == 0.0
     if need_rollouts and not data.has_rollouts:
         n_missing = int(((~data.greedy_match) & (data.rollout_of_row < 0)).sum())
-        raise ValueError(
+        raise UserError(
             f"{data_dir} split {split!r}: {n_missing} mismatch positions have no rollout, so greedy replay cannot "
             "follow a policy past a mismatch. Regenerate with rollouts for this split "
             "(`specstop generate ... --labels.rollouts.splits` including it)."
@@ -327,7 +329,7 @@ def _attach_rollouts(data: ReplayData, roll: dict, pid_names: np.ndarray, k: int
     index = {n: i for i, n in enumerate(pid_names)}
     p_idx = np.asarray([index.get(str(p), -1) for p in roll["prompt_id"]], dtype=np.int64)
     if (p_idx < 0).any():
-        raise ValueError(
+        raise UserError(
             "rollout rows name prompts with no token rows; the dataset is inconsistent, regenerate it"
         )
     rows = data.offsets[p_idx] + roll["position"].astype(np.int64)

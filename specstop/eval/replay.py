@@ -24,12 +24,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from specstop.errors import UserError
 from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures
 
 
-class RolloutTooShortError(ValueError):
+class RolloutTooShortError(UserError):
     """A round needs more rollout steps after a mismatch than the dataset stores."""
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstop.errors import UserError
 from specstop.eval.episodes import ReplayData
+from specstop.pair.identity import check_same_pair
 
 BATCH = 65536
 
@@ -55,12 +57,12 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
     r_steps = getattr(data, "_rollout_steps", np.zeros(0, dtype=np.int64))
     if spec.kind == "hidden":
         if not man["labels"].get("hidden_states"):
-            raise ValueError(
+            raise UserError(
                 f"predictor {key!r} reads draft hidden states but {data_dir} has none; regenerate with "
                 "hidden states (labels.hidden_states: true) or use a dist predictor"
             )
         if int(man["labels"]["hidden_size"]) != spec.hidden_size:
-            raise ValueError(
+            raise UserError(
                 f"predictor {key!r} expects hidden size {spec.hidden_size} but {data_dir} stores "
                 f"{man['labels']['hidden_size']}: it was trained on another draft model"
             )
@@ -125,10 +127,23 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
     Returns:
         (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {name: reason}).
     """
+    from specstop.data_gen.storage import read_manifest
+
+    data_pair = read_manifest(data_dir).get("pair")
     info, skipped = {}, {}
     for name, path in checkpoints.items():
         try:
             predictor, meta = load_checkpoint(path)
+        except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
+            skipped[name] = f"{type(err).__name__}: {err}"
+            continue
+        # Scores of a predictor on another pair's features would be meaningless, not just worse.
+        check_same_pair(
+            (meta.get("dataset") or {}).get("pair") if isinstance(meta.get("dataset"), dict) else None, data_pair,
+            what=f"checkpoint {name}={path} was trained on data from another model pair than {data_dir} holds",
+            fix="use data generated with the pair it was trained for, or retrain it on this pair's data",
+        )
+        try:
             score_split(data, data_dir, split, name, predictor)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
             skipped[name] = f"{type(err).__name__}: {err}"
@@ -153,6 +168,6 @@ def parse_checkpoint_args(items) -> dict:
         if not sep:
             name, path = Path(item).stem, item
         if not name or not path:
-            raise ValueError(f"--checkpoint {item!r}: use NAME=PATH")
+            raise UserError(f"--checkpoint {item!r}: use NAME=PATH")
         out[name] = path
     return out

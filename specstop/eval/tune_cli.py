@@ -8,12 +8,14 @@ Writes the tuned-policy file of docs/design.md::
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
-from specstop.eval.cost import PRESETS, load_cost_model
+from specstop.config_io import read_json
+from specstop.data_gen.storage import atomic_write_json
+from specstop.errors import UserError
+from specstop.eval.cost import PRESETS, CostModel, load_cost_model
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.segments import build_layout
@@ -55,14 +57,26 @@ def _ints(text: str) -> list[int]:
     try:
         vals = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise UserError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
-        raise ValueError(f"expected positive integers, got {text!r}")
+        raise UserError(f"expected positive integers, got {text!r}")
     return vals
 
 
+def load_cost_model_arg(spec) -> CostModel:
+    """``--cost-model``: a preset name or a cost.json, with every problem as a one-line user error."""
+    if isinstance(spec, str) and spec not in PRESETS and Path(spec).is_file():
+        doc = read_json(spec, "cost model file")
+        if not isinstance(doc, dict):
+            raise UserError(f"{spec}: a cost model file holds a JSON object, got {type(doc).__name__}")
+    try:
+        return load_cost_model(spec)
+    except (ValueError, TypeError) as err:  # every failure here is about the given preset/file
+        raise UserError(f"--cost-model {spec if isinstance(spec, str) else '(from the tuned file)'}: {err}") from None
+
+
 def run(args) -> int:
-    cost = load_cost_model(args.cost_model)
+    cost = load_cost_model_arg(args.cost_model)
     grid = _ints(args.sl_max_grid)
     tuned = tune_dataset(
         args.data,
@@ -73,8 +87,7 @@ def run(args) -> int:
         heuristic_starts=_ints(args.heuristic_starts),
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(tuned, indent=2) + "\n")
+    atomic_write_json(out, tuned)  # a crash never leaves a half-written tuned file
     for name, pol in tuned["policies"].items():
         v = pol["validation"]
         log.info(
@@ -107,7 +120,10 @@ def tune_dataset(
             "dataset was sampled at T=%g: tuning uses greedy replay of its rollouts/matches", data.temperature
         )
     for sl in sl_max_grid:
-        check_sl_max(data, sl)
+        try:
+            check_sl_max(data, sl)
+        except ValueError as err:  # the grid asks for longer rollouts than the dataset stores
+            raise UserError(f"--sl-max-grid: {err}") from None
     info, skipped = score_checkpoints(data, data_dir, split, checkpoints)
     layout = build_layout(data)
     policies = {}

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-name", help="draft model (path, hub id or GGUF file) to write into engine commands")
     parser.add_argument("--target-name", help="target model to write into engine commands")
     parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing, non-empty --out folder (after the new export passed its check)"
+    )
+    parser.add_argument(
         "--allow-missing-pair",
         action="store_true",
         help="write an export without draft/target identities (decoders then cannot refuse a wrong draft)",
@@ -63,22 +66,27 @@ def _learned_policy(tuned_path: str, policy: str | None) -> str | None:
     return min(learned, key=lambda n: (pols[n].get("validation") or {}).get("latency_per_token", float("inf")))
 
 
+def _write_engines(args: argparse.Namespace, engines: list[str], hf_policy: str | None) -> None:
+    from specstop.export.engines import summary_line, write_engine_settings
+
+    paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name,
+                                  hf_policy=hf_policy)
+    for path in paths.values():
+        print(summary_line(json.loads(path.read_text())))
+        print(f"  wrote {path}")
+
+
 def run(args: argparse.Namespace) -> int:
     from specstop.export.export import export_from_files
 
     checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
     engines = args.engines or []
+    if engines and "hf" not in engines:
+        _write_engines(args, engines, None)  # settings files only: no predictor package
+        return 0
     policy = _learned_policy(args.tuned, args.policy) if "hf" in engines else args.policy
-    if engines:
-        from specstop.export.engines import summary_line, write_engine_settings
-
-        paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name,
-                                      hf_policy=policy)
-        for path in paths.values():
-            print(summary_line(json.loads(path.read_text())))
-            print(f"  wrote {path}")
-        if "hf" not in engines:
-            return 0
+    # The package first: it is written elsewhere and renamed into place (replacing --out), so the
+    # engine files are added to the finished folder afterwards.
     config = export_from_files(
         args.out,
         tuned=args.tuned,
@@ -86,10 +94,13 @@ def run(args: argparse.Namespace) -> int:
         policy=policy,
         dataset=args.dataset,
         allow_missing_pair=args.allow_missing_pair,
+        overwrite=args.overwrite,
     )
     check = config.get("export_check")
     if check:
         print(f"export check: max abs diff {check['max_abs_diff']:.3g} on {check['batch']} inputs (limit 1e-6)")
     print(f"exported {config['name']} ({json.dumps(config['policy']['kind'])}) to {args.out}")
     print(f"  HF: target.generate(..., assistant_model=draft, custom_generate={args.out!r}, trust_remote_code=True)")
+    if engines:
+        _write_engines(args, engines, policy)
     return 0

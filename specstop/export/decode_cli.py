@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 
+from specstop.config_io import check_range
+from specstop.errors import UserError
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair", help="known pair name or a folder with draft/ and target/")
@@ -58,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
 
+    check_range("--max-new-tokens", args.max_new_tokens, low=1)
+    decoding = DecodingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text.strip():
+        raise UserError("--prompt is empty; give the text to continue ('-' reads it from stdin)")
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
     policy = StoppingPolicy.load(
         args.policy,
@@ -67,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
         allow_draft_mismatch=args.allow_draft_mismatch,
         device=pair.draft_device,
     )
-    decoding = DecodingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
     prompt_ids = render(text, pair.tokenizer, not args.no_chat_template, args.system_prompt)
     result = decoder.generate(prompt_ids, args.max_new_tokens, seed=args.seed)

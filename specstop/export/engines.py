@@ -29,6 +29,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from specstop.errors import UserError
+
 ENGINES = ("hf", "vllm", "llamacpp", "sglang")
 #: Which tuned policies each engine can express (in tuned.json names).
 _SUPPORTED = {
@@ -146,10 +148,10 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         ``recommended`` is the expressible policy with the highest predicted speedup.
 
     Raises:
-        ValueError: unknown engine, or the tuned file has none of the policies the engine can express.
+        UserError: unknown engine, or the tuned file has none of the policies the engine can express.
     """
     if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+        raise UserError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     d_default, t_default = _pair_names(tuned, manifest)
     draft, target = draft or d_default, target or t_default
     options = {}
@@ -167,7 +169,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
                              "generate_kwargs": {"custom_generate": folder, "trust_remote_code": True}}
     if not options:
-        raise ValueError(
+        raise UserError(
             f"the tuned file has none of the policies {engine} can express ({', '.join(_SUPPORTED[engine])}); "
             "rerun `specstop tune` with this specstop version"
         )

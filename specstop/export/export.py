@@ -25,15 +25,21 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specstop import __version__
+from specstop.config_io import read_json
+from specstop.errors import MissingInputError, UserError
 from specstop.export.hub import MODEL_TYPE, front_matter, write_custom_generate
 from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
 from specstop.models import StoppingPredictor, build_predictor
+from specstop.pair.identity import check_same_pair
 from specstop.policy import PolicySpec
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,7 @@ __all__ = [
 MAX_EXPORT_DIFF = 1e-6
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """The inputs cannot make a valid export (the message says what to fix)."""
 
 
@@ -60,7 +66,7 @@ def load_checkpoint(path: str | Path) -> tuple[StoppingPredictor, dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `specstop train`)")
+        raise MissingInputError(f"checkpoint {path} does not exist (train one with `specstop train`)")
     try:
         from specstop.models.checkpoint import load_predictor
     except ImportError:
@@ -85,9 +91,9 @@ def read_tuned(path: str | Path) -> dict:
     """Read a tuned-policy file (design.md "Tuned-policy files")."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tuned-policy file {path} does not exist (write one with `specstop tune`)")
-    tuned = json.loads(path.read_text())
-    if tuned.get("schema_version") != 1 or "policies" not in tuned:
+        raise MissingInputError(f"tuned-policy file {path} does not exist (write one with `specstop tune`)")
+    tuned = read_json(path, "tuned-policy file")
+    if not isinstance(tuned, dict) or tuned.get("schema_version") != 1 or not isinstance(tuned.get("policies"), dict):
         raise ExportError(
             f"{path}: not a tuned-policy file of schema version 1 (found schema_version="
             f"{tuned.get('schema_version')!r}); rerun `specstop tune` with this specstop version"
@@ -102,7 +108,8 @@ def _read_manifest(dataset: str | Path | None) -> dict | None:
     if not p.is_file():
         log.warning("dataset %s has no manifest.json; pair identities must come from the checkpoint", dataset)
         return None
-    return json.loads(p.read_text())
+    man = read_json(p, "dataset manifest")
+    return man if isinstance(man, dict) else None
 
 
 def _pair_info(meta: dict, manifest: dict | None) -> dict | None:
@@ -167,17 +174,26 @@ def export_policy(
     label: str | None = None,
     source: dict | None = None,
     allow_missing_pair: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
+    The export is written and validated in a temporary folder next to ``out`` and renamed into
+    place only when complete, so a failed export never leaves a half-written folder, and an
+    existing export is replaced only after the new one passed its check.
+
     Args:
-        out: the folder (created; existing files in it are overwritten).
+        out: the folder to create; an existing non-empty one is replaced only with ``overwrite``.
         spec: the tuned policy spec.
         predictor: the trained module (``predictor`` policies only).
         pair: ``{name, draft, target, tokenizer_hash}`` identities (runtime refuses other drafts).
         decoding: the decoding transform the labels were made at.
         allow_missing_pair: write an export without pair identities (the runtime can then not
             refuse a wrong draft; only for tests and demos).
+        overwrite: replace an existing non-empty ``out``.
+
+    Raises:
+        ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
     """
     if spec.kind == "predictor" and predictor is None:
         raise ExportError(f"policy {spec.label} is a learned predictor: give its --checkpoint")
@@ -196,13 +212,45 @@ def export_policy(
     if pair is None and not allow_missing_pair:
         raise ExportError(
             "no draft/target identities found in the checkpoint or the tuned file's dataset manifest; "
-            "pass --dataset DIR (the dataset the predictor was trained on) so the export records its pair"
+            "pass --data DIR (the dataset the predictor was trained on) so the export records its pair"
         )
     config = export_config(
         spec, predictor, name=name, pair=pair, decoding=decoding, cost_model=cost_model, validation=validation,
         label=label, source=source,
     )
-    return write_export_folder(out, config, predictor)
+    final = Path(out)
+    if final.exists() and (not final.is_dir() or any(final.iterdir())) and not overwrite:
+        raise ExportError(
+            f"{final} already exists and is not empty; pass --overwrite to replace it (the old export is kept "
+            "until the new one has passed its check), or choose another --out"
+        )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        # custom_generate/generate.py names the folder it will live in, not the temporary one.
+        config = write_export_folder(tmp, config, predictor, location=str(final.resolve()))
+        _replace_folder(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return config
+
+
+def _replace_folder(new: Path, final: Path) -> None:
+    """Move the finished folder ``new`` to ``final``; an old ``final`` is removed only afterwards."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export_config(
@@ -266,6 +314,8 @@ def write_export_folder(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = {**config, "model_type": MODEL_TYPE}
+    if config.get("predictor"):  # the weights are always written under their standard name
+        config["predictor"] = {**config["predictor"], "weights": WEIGHTS_NAME}
     weights = out / WEIGHTS_NAME
     if predictor is not None:
         from safetensors.torch import save_file
@@ -295,6 +345,7 @@ def export_from_files(
     policy: str | None = None,
     dataset: str | Path | None = None,
     allow_missing_pair: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """The CLI's work: pick a policy from ``tuned``, load its checkpoint, export."""
     t = read_tuned(tuned)
@@ -304,7 +355,10 @@ def export_from_files(
     if name not in t["policies"]:
         raise ExportError(f"policy {name!r} is not in {tuned}; choose from {sorted(t['policies'])}")
     entry = t["policies"][name]
-    spec = PolicySpec.from_dict(entry["spec"])
+    try:
+        spec = PolicySpec.from_dict((entry or {}).get("spec") if isinstance(entry, dict) else entry)
+    except UserError as err:
+        raise ExportError(f"{tuned}: policy {name!r}: {err}") from None
     predictor, meta = None, {}
     if spec.kind == "predictor":
         ckpt = checkpoint or (t.get("checkpoints") or {}).get(name)
@@ -320,6 +374,15 @@ def export_from_files(
         ckpt_ds = ckpt_ds.get("data_dir")
     ds = dataset or ckpt_ds or t.get("dataset")
     manifest = _read_manifest(ds)
+    ckpt_pair = (meta.get("dataset") or {}).get("pair") if isinstance(meta.get("dataset"), dict) else None
+    try:
+        check_same_pair(
+            ckpt_pair, (manifest or {}).get("pair"),
+            what=f"checkpoint {checkpoint} was trained on data from another model pair than {ds} holds",
+            fix="pass the --data the predictor was trained on (or retrain it on this pair's data)",
+        )
+    except UserError as err:
+        raise ExportError(str(err)) from None
     return export_policy(
         out,
         spec=spec,
@@ -332,6 +395,7 @@ def export_from_files(
         label=meta.get("label"),
         source={"checkpoint": str(checkpoint) if checkpoint else None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
         allow_missing_pair=allow_missing_pair,
+        overwrite=overwrite,
     )
 
 

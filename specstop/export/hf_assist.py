@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
+from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.probs import DecodingConfig, logits_to_probs
 
@@ -121,7 +122,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         """``input_ids [1, L]`` -> ``(candidates [1, L + K], candidate_logits [1, K, V_model] | None)``."""
         input_ids = input_ids.to(self.assistant_model.device)
         if input_ids.shape[0] != 1:
-            raise ValueError("policy-driven assisted generation supports batch size 1 only (as HF assisted generation)")
+            raise UserError("policy-driven assisted generation supports batch size 1 only (as HF assisted generation)")
         cur_len = input_ids.shape[-1]
         k_cap = min(self.policy.cap(), self.main_model_max_length - cur_len - 1)
         self.last_k = 0
@@ -178,7 +179,7 @@ def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None) ->
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if assistant_model is None or (target_tokenizer is not None and assistant_tokenizer is not None):
-            raise ValueError("specstop policies drive assisted generation with a same-tokenizer assistant_model only")
+            raise UserError("specstop policies drive assisted generation with a same-tokenizer assistant_model only")
         gen = PolicyCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,
@@ -230,7 +231,7 @@ def generate_with_policy(model, *args, policy, assistant_model=None, vocab_size:
         What ``model.generate`` returns.
     """
     if assistant_model is None:
-        raise ValueError(
+        raise UserError(
             "a specstop stopping policy drives assisted generation: pass the draft model it was trained for as "
             "assistant_model=... together with custom_generate=..."
         )

@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from specstop.errors import MissingInputError
+
 #: ``config.json``'s ``model_type`` (the Hub and AutoConfig-style tools key on it).
 MODEL_TYPE = "specstop_stopping_policy"
 LIBRARY_NAME = "specstop"
@@ -115,14 +117,14 @@ def resolve_folder(
     """A local export folder as is, or a hub repository downloaded into the HF cache.
 
     Raises:
-        FileNotFoundError: neither a folder nor a reachable hub repository (the message says which).
+        MissingInputError: neither a folder nor a reachable hub repository (the message says which).
     """
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
     name = str(path_or_repo_id)
     if is_local_name(name):
-        raise FileNotFoundError(f"{name} is not a folder (and not an owner/name hub id); give an export folder")
+        raise MissingInputError(f"{name} is not a folder (and not an owner/name hub id); give an export folder")
     from huggingface_hub import snapshot_download
 
     try:
@@ -133,7 +135,7 @@ def resolve_folder(
             )
         )
     except Exception as err:  # huggingface_hub raises several types for offline / missing repos
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{name!r} is not a local folder, and fetching it as a hub id failed ({type(err).__name__}: {err}); "
             "give an export folder that exists, or a hub id with network (download it once to use it offline)"
         ) from err

@@ -39,8 +39,10 @@ from typing import Any
 import torch
 from huggingface_hub import ModelHubMixin
 
+from specstop.errors import MissingInputError, UserError
 from specstop.export.hub import LIBRARY_NAME, resolve_folder
 from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
+from specstop.names import confined_file
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures, make_round_policy, parse_policy_string
 from specstop.probs import DecodingConfig, logits_to_probs
 
@@ -60,7 +62,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-class DraftMismatchError(ValueError):
+class DraftMismatchError(UserError):
     """The export was made for another draft model or tokenizer."""
 
 
@@ -69,7 +71,8 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
 
     Args:
         expected: a draft name/path (str), a ``ModelIdentity``-like object or dict (compared on
-            ``name_or_path``, ``architecture``, ``hidden_size``, ``num_hidden_layers``,
+            ``weights_sha256`` - which, when both sides have one of the same kind, replaces the name
+            check - and ``name_or_path``, ``architecture``, ``hidden_size``, ``num_hidden_layers``,
             ``num_parameters`` when both sides have them), or a dict ``{"draft": ..., "tokenizer_hash": ...}``.
         exported: the export's ``pair`` section.
 
@@ -93,15 +96,77 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
         if name is not None and not _same_name(want_draft, name):
             return False, f"draft {want_draft!r} (yours) vs {name!r} (export)"
         return True, ""
+    # The weights fingerprint decides when both sides have one of the same kind (file-based or
+    # in-memory): a draft with the same name and size but other weights is another model, and the
+    # same weights under another folder name are the same model.
+    wa, wb = want_draft.get("weights_sha256"), exp_draft.get("weights_sha256")
+    comparable = isinstance(wa, str) and isinstance(wb, str) and wa.split(":", 1)[0] == wb.split(":", 1)[0]
+    if comparable and wa != wb:
+        return False, (
+            f"draft weights fingerprint {wa[:24]}... (yours) vs {wb[:24]}... (export): same name and size, other weights"
+        )
     for key in ("name_or_path", "architecture", "hidden_size", "num_hidden_layers", "num_parameters"):
         a, b = want_draft.get(key), exp_draft.get(key)
         if a is None or b is None:
             continue
-        if key == "name_or_path" and _same_name(str(a), str(b)):
+        if key == "name_or_path" and (comparable or _same_name(str(a), str(b))):
             continue
         if a != b:
             return False, f"draft {key} {a!r} (yours) vs {b!r} (export)"
     return True, ""
+
+
+def _read_config(cfg_path: Path) -> dict:
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{cfg_path}:{err.lineno}: not valid JSON ({err.msg}); re-export the policy") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{cfg_path}: not a UTF-8 JSON file; re-export the policy") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}; re-export the policy")
+    return config
+
+
+def _feature_spec_or_none(d: dict) -> FeatureSpec | None:
+    try:
+        return FeatureSpec(**d)
+    except (TypeError, UserError):
+        return None
+
+
+def _load_predictor(path: Path, cfg_path: Path, pred_cfg: Any) -> StoppingPredictor:
+    """Build the predictor named by ``config.json`` and load its weights, refusing anything inconsistent."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not isinstance(pred_cfg, dict) or not isinstance(pred_cfg.get("family"), str) or not isinstance(
+        pred_cfg.get("config"), dict
+    ):
+        raise UserError(f"{cfg_path}: 'predictor' must hold a family name and a config mapping; re-export the policy")
+    # The weights file is named by an editable file: it must stay inside the export folder.
+    weights = confined_file(path, pred_cfg.get("weights", WEIGHTS_NAME), f"{cfg_path.name} predictor.weights")
+    if not weights.is_file():
+        raise MissingInputError(f"{path}: config.json names weights {weights.name} but the file is missing")
+    try:
+        predictor = build_predictor(pred_cfg["family"], **pred_cfg["config"])
+    except TypeError as err:
+        raise UserError(f"{cfg_path}: predictor.config does not fit family {pred_cfg['family']!r}: {err}") from None
+    try:
+        state = load_file(str(weights), device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise UserError(
+            f"{weights}: not a readable safetensors file ({err}); it is truncated or corrupt - re-export the policy"
+        ) from None
+    try:
+        predictor.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        first = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err))
+        raise UserError(
+            f"{weights} does not match the predictor that {cfg_path.name} describes ({first}); the export was "
+            "edited or mixed with another one - re-export it with `specstop export`"
+        ) from None
+    return predictor
 
 
 def _same_name(a: str, b: str) -> bool:
@@ -139,13 +204,13 @@ class StoppingPolicy(
         device: str | torch.device = "cpu",
     ) -> None:
         if spec.kind in ("oracle", "pearl"):
-            raise ValueError(f"policy kind {spec.kind!r} is a replay-only baseline and cannot drive a decoder")
+            raise UserError(f"policy kind {spec.kind!r} is a replay-only baseline and cannot drive a decoder")
         if spec.kind == "predictor":
             if predictor is None:
                 raise ValueError("a 'predictor' policy needs its predictor module: load it from an export folder")
             reads = predictor.feature_spec.kind
             if spec.reads != reads:
-                raise ValueError(
+                raise UserError(
                     f"policy spec says the predictor reads {spec.reads!r} but family {predictor.family!r} "
                     f"reads {reads!r}: fix 'reads' in the tuned policy spec"
                 )
@@ -213,8 +278,9 @@ class StoppingPolicy(
             device: where the predictor runs (next to the draft).
 
         Raises:
-            FileNotFoundError: no config.json / weights.
-            ValueError: unknown schema version or format.
+            MissingInputError: no config.json / weights.
+            UserError: malformed config.json, unknown schema version or format, a weights path
+                outside the folder, or weights that do not match the recorded predictor.
             DraftMismatchError: the export was made for another draft or tokenizer.
         """
         path = resolve_folder(
@@ -223,11 +289,11 @@ class StoppingPolicy(
         )
         cfg_path = path / CONFIG_NAME
         if not cfg_path.is_file():
-            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}: not a specstop export (create one with `specstop export`)")
-        config = json.loads(cfg_path.read_text())
+            raise MissingInputError(f"{path} has no {CONFIG_NAME}: not a specstop export (create one with `specstop export`)")
+        config = _read_config(cfg_path)
         version = config.get("schema_version")
         if config.get("format") != EXPORT_FORMAT or version != SCHEMA_VERSION:
-            raise ValueError(
+            raise UserError(
                 f"{cfg_path}: export format {config.get('format')!r} schema version {version!r} is not supported "
                 f"by this runtime (it reads {EXPORT_FORMAT!r} version {SCHEMA_VERSION}); upgrade specstop "
                 "or re-export the checkpoint with this version"
@@ -241,20 +307,19 @@ class StoppingPolicy(
                 "draft's features, so its stopping decisions would be meaningless. Export a predictor trained "
                 "on your pair, or pass allow_draft_mismatch=True (CLI: --allow-draft-mismatch) to override."
             )
-        spec = PolicySpec.from_dict(config["policy"])
+        try:
+            spec = PolicySpec.from_dict(config.get("policy"))
+        except UserError as err:
+            raise UserError(f"{cfg_path}: policy: {err}") from None
         predictor = None
         pred_cfg = config.get("predictor")
         if pred_cfg is not None:
-            from safetensors.torch import load_file
-
-            weights = path / pred_cfg.get("weights", WEIGHTS_NAME)
-            if not weights.is_file():
-                raise FileNotFoundError(f"{path}: config.json names weights {weights.name} but the file is missing")
-            predictor = build_predictor(pred_cfg["family"], **pred_cfg["config"])
-            predictor.load_state_dict(load_file(str(weights), device="cpu"), strict=True)
+            predictor = _load_predictor(path, cfg_path, pred_cfg)
             expected_fs = config.get("features")
-            if expected_fs is not None and FeatureSpec(**expected_fs) != predictor.feature_spec:
-                raise ValueError(
+            if expected_fs is not None and (
+                not isinstance(expected_fs, dict) or _feature_spec_or_none(expected_fs) != predictor.feature_spec
+            ):
+                raise UserError(
                     f"{cfg_path}: the recorded feature spec {expected_fs} differs from the one family "
                     f"{pred_cfg['family']!r} builds ({predictor.feature_spec.to_dict()}); the export is inconsistent"
                 )

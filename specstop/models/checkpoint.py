@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specstop.errors import MissingInputError, UserError
 from specstop.models.base import StoppingPredictor
 from specstop.models.registry import build_predictor
 
@@ -48,12 +49,12 @@ def convert_zero_checkpoint(folder: str | Path) -> Path:
     try:
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
     except ImportError as err:  # pragma: no cover - lightning is a dependency
-        raise ValueError(f"{folder} is a DeepSpeed checkpoint folder; converting it needs lightning ({err})") from None
+        raise UserError(f"{folder} is a DeepSpeed checkpoint folder; converting it needs lightning ({err})") from None
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         convert_zero_checkpoint_to_fp32_state_dict(str(folder), str(tmp))
     except ImportError as err:
-        raise ValueError(
+        raise UserError(
             f"{folder} is a DeepSpeed checkpoint folder and converting it needs deepspeed ({err}); "
             "pip install 'specstop[distributed]'"
         ) from None
@@ -65,19 +66,27 @@ def _read(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         if not (path / "checkpoint").is_dir() and not consolidated_path(path).is_file():
-            raise IsADirectoryError(f"{path} is a folder, not a checkpoint file or a DeepSpeed checkpoint folder")
+            raise MissingInputError(
+                f"{path} is a folder, not a checkpoint file or a DeepSpeed checkpoint folder; "
+                "`specstop train` prints the best checkpoint's path"
+            )
         path = convert_zero_checkpoint(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
+        raise MissingInputError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
     try:
         # weights_only=True: a checkpoint is data and must not run code when read. PredictorModule
         # stores plain dicts so this succeeds; only foreign checkpoints need the fallback.
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pragma: no cover - depends on who wrote the file
-        raise ValueError(
+        raise UserError(
             f"{path} could not be read as a plain-data checkpoint ({type(err).__name__}: {err}); "
             "was it written by specstop train?"
         ) from err
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """The ``specstop`` metadata of a checkpoint (family, dataset summary with its pair, ...), or {}."""
+    return dict(_read(path).get("specstop") or {})
 
 
 def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[StoppingPredictor, dict]:
@@ -99,14 +108,14 @@ def load_predictor(path: str | Path, map_location: str | torch.device = "cpu") -
     family = meta.get("family") or hp.get("family")
     config = meta.get("predictor_config") or hp.get("predictor_config")
     if not family or config is None:
-        raise ValueError(f"{path} has no specstop predictor metadata (family / predictor_config); not a specstop checkpoint")
+        raise UserError(f"{path} has no specstop predictor metadata (family / predictor_config); not a specstop checkpoint")
     predictor = build_predictor(family, **config)
     state = {k[len(PREFIX) :]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith(PREFIX)}
     if not state:
-        raise ValueError(f"{path} holds no 'predictor.*' weights")
+        raise UserError(f"{path} holds no 'predictor.*' weights")
     missing, unexpected = predictor.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path} does not match family {family!r} config {config}: missing {missing}, unexpected {unexpected}")
+        raise UserError(f"{path} does not match family {family!r} config {config}: missing {missing}, unexpected {unexpected}")
     predictor.to(map_location).eval()
     for key in ("label", "w_acc", "w_rej"):
         meta.setdefault(key, hp.get(key))

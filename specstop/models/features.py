@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specstop.errors import UserError
 from specstop.probs import entropy as _entropy
 from specstop.probs import top_k_probs
 
@@ -44,9 +45,9 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in (DIST, HIDDEN):
-            raise ValueError(f"feature kind must be {DIST!r} or {HIDDEN!r}, got {self.kind!r}")
+            raise UserError(f"feature kind must be {DIST!r} or {HIDDEN!r}, got {self.kind!r}")
         if self.kind == HIDDEN and self.hidden_size <= 0:
-            raise ValueError("a hidden-state predictor needs hidden_size > 0 (the draft's hidden width)")
+            raise UserError("a hidden-state predictor needs hidden_size > 0 (the draft's hidden width)")
 
     @property
     def input_dim(self) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from specstop.errors import UserError
+
 if TYPE_CHECKING:  # pragma: no cover
     from specstop.models.base import StoppingPredictor
 
@@ -42,7 +44,7 @@ def get_predictor_class(name: str) -> type[StoppingPredictor]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown predictor family {name!r}; valid names: {', '.join(sorted(_REGISTRY))}") from None
+        raise UserError(f"unknown predictor family {name!r}; valid names: {', '.join(sorted(_REGISTRY))}") from None
 
 
 def build_predictor(name: str, **config) -> StoppingPredictor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specstop.errors import UserError
 from specstop.models.base import StoppingPredictor
 from specstop.models.features import HIDDEN, FeatureSpec
 from specstop.models.registry import register_predictor
@@ -28,7 +29,7 @@ class SpecDecPPConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.depth <= 4:
-            raise ValueError(f"SpecDec++ depth D must be in 0..4 (paper's sweep), got {self.depth}")
+            raise UserError(f"SpecDec++ depth D must be in 0..4 (paper's sweep), got {self.depth}")
 
 
 class ResidualBlock(nn.Module):

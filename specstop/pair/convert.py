@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstop.errors import MissingInputError
+
 log = logging.getLogger(__name__)
 
 SOURCE_RECORD = "specstop_source.json"
@@ -123,7 +125,7 @@ def convert_gguf(
     if not force and sha256 and is_converted_from(out_dir, sha256):
         return ConvertResult(out_dir, 0.0, int(read_source_record(out_dir).get("num_parameters", 0)), skipped=True)
     if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist; run `specstop fetch-pair NAME` to fetch it")
+        raise MissingInputError(f"GGUF file {gguf_path} does not exist; run `specstop fetch-pair NAME` to fetch it")
 
     t0 = time.perf_counter()
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")

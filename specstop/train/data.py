@@ -12,6 +12,7 @@ and export use.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from specstop.config_io import check_range
 from specstop.data_gen.storage import load_arrays, load_column_chunks, read_manifest
+from specstop.data_gen.verify import verify_dataset
+from specstop.errors import UserError
 from specstop.models.features import FeatureSpec
+from specstop.train.epochs import ShuffleEpochs
 from specstop.train.mapped import MappedRows
 
 log = logging.getLogger(__name__)
@@ -67,15 +72,19 @@ class SplitData:
 class TensorBatches(IterableDataset):
     """Yields ``(features [B, D], labels [B])`` batches by gathering random index blocks.
 
-    One epoch = one permutation (seeded by ``seed`` + epoch count, the same on every rank); under
-    data parallelism rank r takes batches r, r + W, ... and every rank gets the same number of
-    batches (the remainder is dropped in training, so DDP never waits on a missing batch).
+    One epoch = one permutation (seeded by ``seed`` + epoch, the same on every rank); under data
+    parallelism rank r takes batches r, r + W, ... and every rank gets the same number of batches
+    (the remainder is dropped in training, so DDP never waits on a missing batch). ``epoch_fn``
+    gives the epoch of each pass (``ShuffleEpochs.next_shuffle_epoch``: survives a resume); without
+    it the dataset counts its own passes.
     """
 
-    def __init__(self, data: SplitData, spec: FeatureSpec, batch_size: int, shuffle: bool, seed: int, drop_uneven: bool):
+    def __init__(self, data: SplitData, spec: FeatureSpec, batch_size: int, shuffle: bool, seed: int, drop_uneven: bool,
+                 epoch_fn: Callable[[], int] | None = None):
         super().__init__()
         self.data, self.spec, self.batch_size = data, spec, batch_size
         self.shuffle, self.seed, self.drop_uneven = shuffle, seed, drop_uneven
+        self.epoch_fn = epoch_fn
         self.epoch = 0
 
     @staticmethod
@@ -105,7 +114,8 @@ class TensorBatches(IterableDataset):
         rank, world, per_rank = self._num_batches()
         n = len(self.data)
         if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            epoch = self.epoch_fn() if self.epoch_fn is not None else self.epoch
+            gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(n, generator=gen)
         else:
             order = None
@@ -119,7 +129,7 @@ class TensorBatches(IterableDataset):
             yield self.data.features(self.spec, idx), self.data.labels[idx]
 
 
-class PredictorDataModule(L.LightningDataModule):
+class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
     """Rows of a specstop dataset for one predictor family.
 
     Args:
@@ -152,9 +162,10 @@ class PredictorDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if table not in ("auto", "tokens", "mixed"):
-            raise ValueError(f"table must be 'auto', 'tokens' or 'mixed', got {table!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise UserError(f"table must be 'auto', 'tokens' or 'mixed', got {table!r}")
+        check_range("data.batch_size", batch_size, low=1)
+        check_range("data.eval_batch_size", eval_batch_size, low=1)
+        check_range("data.max_rows", max_rows, low=1)
         self.data_dir = str(data_dir)
         self.table = table
         self.label = label
@@ -163,6 +174,8 @@ class PredictorDataModule(L.LightningDataModule):
         self.seed = seed
         self.max_rows = max_rows
         self.manifest = read_manifest(self.data_dir)
+        # Always before training on it: every shard present, intact (sha256) and from one pair.
+        verify_dataset(self.data_dir)
         labels = self.manifest.get("labels", {})
         self.k: int = int(labels.get("topk_k", 10))
         hs = labels.get("hidden_size")
@@ -175,7 +188,7 @@ class PredictorDataModule(L.LightningDataModule):
     def configure(self, spec: FeatureSpec, label: str) -> None:
         """Set what to read (called from ``setup`` with the model's spec and label, or by hand)."""
         if self.label is not None and self.label != label:
-            raise ValueError(
+            raise UserError(
                 f"data.label={self.label!r} but model.label={label!r}; set the label once (model.label) "
                 "or make them equal"
             )
@@ -220,33 +233,33 @@ class PredictorDataModule(L.LightningDataModule):
         table = table or self.table_for(split)
         valid = TOKEN_LABELS if table == "tokens" else MIXED_LABELS
         if self.label not in valid:
-            raise ValueError(f"label {self.label!r} is not a column of the {table!r} table; choose one of {valid}")
+            raise UserError(f"label {self.label!r} is not a column of the {table!r} table; choose one of {valid}")
         if self.spec.reads_hidden:
             if not self.manifest.get("labels", {}).get("hidden_states") or self.hidden_size is None:
-                raise ValueError(
+                raise UserError(
                     f"{self.data_dir} stores no hidden states, which this predictor reads; regenerate the "
                     "dataset with hidden states enabled, or train with online mixing "
                     "(configs/train/specdecpp_online_mixing.yaml) which computes them on the fly"
                 )
             if self.spec.hidden_size != self.hidden_size:
-                raise ValueError(
+                raise UserError(
                     f"predictor hidden_size {self.spec.hidden_size} != dataset hidden_size {self.hidden_size}; "
                     "leave hidden_size unset in the config (it is linked from the manifest)"
                 )
             feat_cols = ["hidden"]
         else:
             if self.spec.k > self.k:
-                raise ValueError(f"predictor reads top-{self.spec.k} but the dataset stores top-{self.k}; set k <= {self.k}")
+                raise UserError(f"predictor reads top-{self.spec.k} but the dataset stores top-{self.k}; set k <= {self.k}")
             feat_cols = ["topk", "entropy"] + (["position"] if self.spec.use_position else [])
         mapped = [c for c in feat_cols if c == "hidden"]
         cols = list(dict.fromkeys([c for c in feat_cols if c not in mapped] + [self.label, "prompt_id", "position", "split"]))
         arr = load_arrays(self.data_dir, table, split, columns=cols)
         n = len(arr["prompt_id"])
         if n == 0:
-            raise ValueError(f"split {split!r} of {self.data_dir} has no {table!r} rows")
+            raise UserError(f"split {split!r} of {self.data_dir} has no {table!r} rows")
         bad = arr["split"] != split
         if bad.any():
-            raise ValueError(
+            raise UserError(
                 f"{int(bad.sum())} rows in {split!r} shards say they belong to split {arr['split'][bad][0]!r}; "
                 "the dataset is inconsistent - regenerate it"
             )
@@ -288,7 +301,7 @@ class PredictorDataModule(L.LightningDataModule):
             for pid in ids:
                 other = seen.setdefault(pid, split)
                 if other != split:
-                    raise ValueError(
+                    raise UserError(
                         f"prompt {pid!r} is in both the {other!r} and {split!r} splits of {self.data_dir}; "
                         "training would leak into evaluation - regenerate the dataset"
                     )
@@ -305,6 +318,7 @@ class PredictorDataModule(L.LightningDataModule):
             shuffle=train,
             seed=self.seed,
             drop_uneven=train,
+            epoch_fn=self.next_shuffle_epoch if train else None,
         )
         # batch_size=None: the dataset already yields whole batches; workers would only add IPC.
         return DataLoader(ds, batch_size=None, num_workers=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from specstop.distributed import device_count
+from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +58,23 @@ def requested_processes(argv: list[str]) -> int:
 def run_train(argv: list[str]) -> None:
     """Run ``specstop train ARGV``; in a child process when it starts several ranks.
 
+    In-process, errors propagate with their own type (a user error stays a one-line error of the
+    calling command, a bug keeps its traceback), as the pipeline's other stages do.
+
     Raises:
-        RuntimeError: training failed (the child's output has already been printed).
+        UserError: the child process stopped on a user error (exit code 2; it printed the message).
+        RuntimeError: training failed otherwise (the child's output has already been printed).
     """
     if requested_processes(argv) <= 1:
-        from specstop.cli import main
+        from specstop.cli import run_command
 
         log.info("$ specstop train %s", " ".join(argv))
-        rc = main(["train", *argv])
+        rc = run_command("train", argv)
     else:
         cmd = [sys.executable, "-m", "specstop.cli", "train", *argv]
         log.info("$ %s   (multi-device: its own process, so Lightning relaunches only it per rank)", " ".join(cmd))
         rc = subprocess.run(cmd, env=os.environ.copy()).returncode
+    if rc == 2:  # specstop's exit status for a user error; the child printed it above
+        raise UserError(f"`specstop train {' '.join(argv)}` stopped on the error printed above (exit code 2)")
     if rc:
         raise RuntimeError(f"`specstop train {' '.join(argv)}` failed with exit code {rc}")

@@ -13,6 +13,8 @@ from dataclasses import fields
 import lightning as L
 import torch
 
+from specstop.config_io import check_range
+from specstop.errors import UserError
 from specstop.models.registry import build_predictor, get_predictor_class
 from specstop.train.loss import weighted_bce_with_logits
 from specstop.train.metrics import AcceptanceMetrics, binary_kl_from_logits
@@ -55,13 +57,16 @@ class PredictorModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if w_acc < 0 or w_rej < 0:
-            raise ValueError(f"loss weights must be >= 0, got w_acc={w_acc}, w_rej={w_rej}")
+            raise UserError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_range("model.w_acc", w_acc, low=0.0)
+        check_range("model.w_rej", w_rej, low=0.0)
+        check_range("model.lr", lr, low=0.0, low_open=True)
+        check_range("model.weight_decay", weight_decay, low=0.0)
+        check_range("model.f1_threshold", f1_threshold, low=0.0, high=1.0)
         cls = get_predictor_class(family)
         label = label or cls.default_label
         if label not in cls.labels:
-            raise ValueError(f"family {family!r} is trained on one of {cls.labels}; got label {label!r}")
+            raise UserError(f"family {family!r} is trained on one of {cls.labels}; got label {label!r}")
         config = resolve_predictor_config(family, predictor_config or {}, hidden_size=hidden_size, k=k)
         self.predictor = build_predictor(family, **config)
         self.family, self.label = family, label
@@ -176,11 +181,11 @@ def resolve_predictor_config(family: str, config: dict, *, hidden_size: int | No
     names = {f.name for f in fields(cls.config_cls)}
     unknown = set(config) - names
     if unknown:
-        raise ValueError(f"unknown predictor_config keys {sorted(unknown)} for {family!r}; valid keys: {sorted(names)}")
+        raise UserError(f"unknown predictor_config keys {sorted(unknown)} for {family!r}; valid keys: {sorted(names)}")
     config = dict(config)
     if "hidden_size" in names and hidden_size is not None:
         if config.get("hidden_size") not in (None, hidden_size):
-            raise ValueError(
+            raise UserError(
                 f"predictor_config.hidden_size={config['hidden_size']} but the dataset's hidden states are "
                 f"{hidden_size} wide; remove hidden_size from the config (it is linked from the manifest)"
             )
@@ -189,7 +194,7 @@ def resolve_predictor_config(family: str, config: dict, *, hidden_size: int | No
         if config.get("k") is None:
             config["k"] = k
         elif config["k"] > k:
-            raise ValueError(f"predictor_config.k={config['k']} exceeds the dataset's top-{k} features; set k <= {k}")
+            raise UserError(f"predictor_config.k={config['k']} exceeds the dataset's top-{k} features; set k <= {k}")
     return config
 
 

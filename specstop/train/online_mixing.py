@@ -22,7 +22,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from specstop.data_gen.storage import load_arrays, read_manifest
+from specstop.data_gen.verify import verify_dataset
+from specstop.errors import UserError
 from specstop.train.data import SPLITS
+from specstop.train.epochs import ShuffleEpochs
 from specstop.train.module import PredictorModule
 
 log = logging.getLogger(__name__)
@@ -63,11 +66,11 @@ def load_sequence_split(data_dir: str, split: str, label: str) -> SequenceSplit:
     where = np.clip(where, 0, len(ids) - 1)
     seq_idx = order[where]
     if len(ids) and not np.all(ids[seq_idx] == tok["prompt_id"].astype(str)):
-        raise ValueError(f"{data_dir} split {split!r}: tokens rows refer to prompts missing from the sequences table")
+        raise UserError(f"{data_dir} split {split!r}: tokens rows refer to prompts missing from the sequences table")
     pos = tok["position"].astype(np.int64)
     flat = r_off[seq_idx].astype(np.int64) + pos
     if np.any(pos >= (r_off[seq_idx + 1] - r_off[seq_idx])):
-        raise ValueError(f"{data_dir} split {split!r}: a tokens row's position lies beyond its response")
+        raise UserError(f"{data_dir} split {split!r}: a tokens row's position lies beyond its response")
     draft = np.array(r_flat, dtype=np.int64, copy=True)
     lab = np.full(len(r_flat), np.nan, dtype=np.float32)
     draft[flat] = tok["draft_token"]
@@ -89,10 +92,12 @@ class MixedBatches(IterableDataset):
     holding a draft token with a label), "labels" [B, T]}`` (right padding).
     """
 
-    def __init__(self, data: SequenceSplit, batch_size: int, rate: float, seed: int, train: bool, pad_id: int, max_length: int | None):
+    def __init__(self, data: SequenceSplit, batch_size: int, rate: float, seed: int, train: bool, pad_id: int, max_length: int | None,
+                 epoch_fn=None):
         super().__init__()
         self.data, self.batch_size, self.rate = data, batch_size, rate
         self.seed, self.train, self.pad_id, self.max_length = seed, train, pad_id, max_length
+        self.epoch_fn = epoch_fn  # see specstop.train.epochs: the epoch must survive a resume
         self.epoch = 0
 
     def _rank_world(self):
@@ -108,7 +113,8 @@ class MixedBatches(IterableDataset):
     def __iter__(self):
         rank, world = self._rank_world()
         # Validation: one fixed mixing (seed only); training: a new one every epoch.
-        gen = torch.Generator().manual_seed(self.seed + (1000003 * (self.epoch + 1) if self.train else 0))
+        epoch = self.epoch_fn() if (self.train and self.epoch_fn is not None) else self.epoch
+        gen = torch.Generator().manual_seed(self.seed + (1000003 * (epoch + 1) if self.train else 0))
         order = torch.randperm(len(self.data), generator=gen) if self.train else torch.arange(len(self.data))
         self.epoch += 1
         for j in range(len(self)):
@@ -147,7 +153,7 @@ class MixedBatches(IterableDataset):
         return out
 
 
-class OnlineMixingDataModule(L.LightningDataModule):
+class OnlineMixingDataModule(ShuffleEpochs, L.LightningDataModule):
     """Stored (x, X, Y, labels) of a dataset, mixed anew each epoch for :class:`OnlineMixingModule`.
 
     Args:
@@ -173,13 +179,14 @@ class OnlineMixingDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if label not in MIX_LABELS:
-            raise ValueError(f"online mixing trains on {MIX_LABELS}; got label {label!r}")
+            raise UserError(f"online mixing trains on {MIX_LABELS}; got label {label!r}")
         self.data_dir, self.label, self.batch_size = str(data_dir), label, batch_size
         self.manifest = read_manifest(self.data_dir)
+        verify_dataset(self.data_dir)  # always before training on it (see PredictorDataModule)
         labels = self.manifest.get("labels", {})
         rate = mixing_rate if mixing_rate is not None else (labels.get("mixing") or {}).get("rate") or 0.15
         if not 0.0 <= rate < 1.0:
-            raise ValueError(f"mixing_rate r must be in [0, 1) (fraction of target tokens), got {rate}")
+            raise UserError(f"mixing_rate r must be in [0, 1) (fraction of target tokens), got {rate}")
         self.mixing_rate, self.max_length, self.seed = float(rate), max_length, seed
         self.k: int = int(labels.get("topk_k", 10))
         self.hidden_size: int | None = None
@@ -190,7 +197,7 @@ class OnlineMixingDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
         if module is not None and getattr(module, "label", self.label) != self.label:
-            raise ValueError(f"data.label={self.label!r} but model.label={module.label!r}; make them equal")
+            raise UserError(f"data.label={self.label!r} but model.label={module.label!r}; make them equal")
         wanted = {"fit": ("train", "validation"), "validate": ("validation",), "test": ("test",)}.get(stage or "", SPLITS)
         for split in wanted:
             if split not in self.splits and (self.manifest.get("splits", {}).get(split, {}).get("prompts", 1) > 0):
@@ -201,10 +208,11 @@ class OnlineMixingDataModule(L.LightningDataModule):
             for b in range(a + 1, len(names)):
                 both = ids[names[a]] & ids[names[b]]
                 if both:
-                    raise ValueError(f"prompt {sorted(both)[0]!r} is in both {names[a]!r} and {names[b]!r}; regenerate the dataset")
+                    raise UserError(f"prompt {sorted(both)[0]!r} is in both {names[a]!r} and {names[b]!r}; regenerate the dataset")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        ds = MixedBatches(self.splits[split], self.batch_size, self.mixing_rate, self.seed, train, self.pad_id, self.max_length)
+        ds = MixedBatches(self.splits[split], self.batch_size, self.mixing_rate, self.seed, train, self.pad_id, self.max_length,
+                          epoch_fn=self.next_shuffle_epoch if train else None)
         return DataLoader(ds, batch_size=None, num_workers=0)
 
     def train_dataloader(self):
@@ -259,18 +267,24 @@ class OnlineMixingModule(PredictorModule):
     ) -> None:
         from transformers import AutoConfig
 
-        cfg = AutoConfig.from_pretrained(draft)
+        from specstop.pair.preflight import loading_errors
+        from specstop.pair.sources import locate_model
+
+        source = locate_model(draft, "draft")  # a clear error for a missing/broken folder or an offline hub id
+        with loading_errors(f"draft {draft!r}"):
+            cfg = AutoConfig.from_pretrained(source)
         width = int((cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg).hidden_size)
         if hidden_size is not None and hidden_size != width:
-            raise ValueError(f"the dataset's hidden states are {hidden_size} wide but draft {draft!r} is {width} wide")
+            raise UserError(f"the dataset's hidden states are {hidden_size} wide but draft {draft!r} is {width} wide")
         super().__init__(
             family, predictor_config, label, w_acc, w_rej, lr, weight_decay, schedule, width, k, f1_threshold
         )
         if not self.predictor.feature_spec.reads_hidden:
-            raise ValueError(f"online mixing trains hidden-state predictors; {family!r} reads {self.predictor.feature_spec.kind!r}")
+            raise UserError(f"online mixing trains hidden-state predictors; {family!r} reads {self.predictor.feature_spec.kind!r}")
         from specstop.pair.loader import load_model
 
-        self.draft = load_model(draft, dtype=draft_dtype, device="cpu")
+        with loading_errors(f"draft {draft!r}"):
+            self.draft = load_model(source, dtype=draft_dtype, device="cpu")
         self.draft.requires_grad_(False)
         self.strict_loading = False  # checkpoints omit the frozen draft
 

@@ -1,0 +1,237 @@
+"""Reading user configs: YAML with file:line errors, and typed dataclass construction.
+
+Every config we own (``configs/data``, ``configs/pipelines``, tuned-policy files) goes through
+:func:`read_yaml` and :func:`dataclass_from_dict`, so a malformed file or a value of the wrong type
+is one :class:`~specstop.errors.UserError` naming the file, the key, the value and the expected
+type - never a traceback from deep inside a run, and never a silent ``str()`` of the wrong thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from specstop.errors import MissingInputError, UserError
+
+
+def read_yaml(path: str | Path, what: str = "config") -> Any:
+    """Parse a YAML file.
+
+    Raises:
+        MissingInputError: no such file.
+        UserError: malformed YAML (names the file, line and column and the parser's problem).
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise MissingInputError(f"{what} file {p} not found")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{p}: not a UTF-8 text file ({err.reason} at byte {err.start}); give a YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        detail = f"{problem} ({context})" if context else problem
+        raise UserError(f"{where}: malformed YAML: {detail}; fix the file at that line") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Parse a JSON file we or the user wrote (tuned policies, cost models, manifests).
+
+    Raises:
+        MissingInputError: no such file.
+        UserError: not UTF-8 or not valid JSON (names the file and line).
+    """
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise MissingInputError(f"{what} {p} does not exist")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{p}: not a UTF-8 text file; give the {what} (JSON)") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{p}:{err.lineno}: not valid JSON ({err.msg}); fix or regenerate the {what}") from None
+
+
+def describe_type(hint: Any) -> str:
+    """A reader's name for a type hint (``an integer``, ``a list of strings`` ...)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        names = [describe_type(a) for a in args if a is not type(None)]
+        text = " or ".join(names)
+        return f"{text} or null" if type(None) in args else text
+    if origin in (list, tuple):
+        return f"a list of {_plural(describe_type(args[0]))}" if args else "a list"
+    if origin is dict:
+        return f"a mapping of {_plural(describe_type(args[0]))} to {_plural(describe_type(args[1]))}" if args else "a mapping"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+            dict: "a mapping", type(None): "null", Any: "any value"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(text: str) -> str:
+    for article in ("an ", "a "):
+        if text.startswith(article):
+            text = text[len(article):]
+    return {"integer": "integers", "number": "numbers", "string": "strings", "mapping": "mappings",
+            "true or false": "booleans", "list": "lists"}.get(text, text)
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def check_type(value: Any, hint: Any, key: str) -> Any:
+    """Check ``value`` against ``hint``; returns it (ints become floats where a float is expected).
+
+    Booleans are not integers here and floats are not integers (``4.5`` for a count is an error).
+
+    Raises:
+        UserError: naming ``key``, the value and the expected type.
+    """
+    ok, converted = _matches(value, hint)
+    if not ok:
+        raise UserError(
+            f"config key {key!r} must be {describe_type(hint)}, got {value!r} ({_kind(value)})"
+        )
+    return converted
+
+
+def _matches(value: Any, hint: Any) -> tuple[bool, Any]:
+    if hint is Any:
+        return True, value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            ok, conv = _matches(value, a)
+            if ok:
+                return True, conv
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        return True, float(value)
+    if hint is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list):
+            return False, value
+        if not args:
+            return True, value
+        out = []
+        for v in value:
+            ok, conv = _matches(v, args[0])
+            if not ok:
+                return False, value
+            out.append(conv)
+        return True, out
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            return False, value
+        if not args:
+            return True, value
+        out = {}
+        for k, v in value.items():
+            ok_k, _ = _matches(k, args[0])
+            ok_v, conv = _matches(v, args[1])
+            if not (ok_k and ok_v):
+                return False, value
+            out[k] = conv
+        return True, out
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, (dict, hint)), value
+    return isinstance(value, hint), value
+
+
+def dataclass_from_dict(cls: type, data: Any, where: str = "", source: str | None = None) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys and value types at every level.
+
+    Args:
+        cls: the dataclass; nested dataclass fields are built recursively.
+        data: the mapping (e.g. parsed YAML).
+        where: dotted prefix of this section (``generation.``), for messages.
+        source: the file it came from, prefixed to messages.
+
+    Raises:
+        UserError: an unknown key (listing the valid ones), a section that is not a mapping, or a
+            value of the wrong type.
+    """
+    prefix = f"{source}: " if source else ""
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{prefix}config section {where.rstrip('.') or 'top level'} must be a mapping of keys to values, "
+            f"got {data!r} ({_kind(data)})"
+        )
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise UserError(
+                f"{prefix}unknown config key {where + str(key)!r}; valid keys"
+                f"{' in ' + where.rstrip('.') if where else ''}: {', '.join(names)}"
+            )
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = dataclass_from_dict(hint, {} if value is None else value, f"{where}{key}.", source)
+            continue
+        try:
+            kwargs[key] = check_type(value, hint, where + key)
+        except UserError as err:
+            raise UserError(f"{prefix}{err}") from None
+    return cls(**kwargs)
+
+
+def check_range(
+    key: str,
+    value: float | int | None,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+) -> None:
+    """Raise a :class:`UserError` naming ``key`` unless ``value`` is finite and within the bounds.
+
+    ``None`` passes (optional settings). ``low_open``/``high_open`` exclude the bound itself.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{key} must be a number, got {value!r} ({_kind(value)})")
+    bad = not math.isfinite(value)
+    if low is not None:
+        bad = bad or (value <= low if low_open else value < low)
+    if high is not None:
+        bad = bad or (value >= high if high_open else value > high)
+    if bad:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        need = " and ".join(p for p in (lo, hi) if p) or "finite"
+        raise UserError(f"{key} must be {need} (and finite), got {value!r}{'; ' + fix if fix else ''}")

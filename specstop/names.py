@@ -1,0 +1,51 @@
+"""Names that become paths: plain names only, and files confined to their folder.
+
+Split names become shard folders (``shards/<split>-00000``), family names become run folders
+(``train/<family>``), and an export's ``config.json`` names its weights file. A name holding a
+path separator or ``..`` would write (or read, or delete) outside the folder the user chose, so
+every such name is checked here. Only the standard library is imported (the export runtime uses it).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from specstop.errors import UserError
+
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+
+
+def check_plain_name(name: object, what: str) -> str:
+    """Return ``name`` when it is a plain name (letters, digits, ``_``, ``-``, ``.``; no ``..``).
+
+    Args:
+        name: the candidate (from a config, flag or file).
+        what: what it names, for the message (e.g. ``split name``).
+
+    Raises:
+        UserError: a non-string, an empty name, a path separator, ``..`` or other characters.
+    """
+    if not isinstance(name, str) or not _PLAIN.fullmatch(name) or ".." in name:
+        raise UserError(
+            f"{what} {name!r} is not a plain name: use letters, digits, '_', '-' and '.' only "
+            "(no path separators, no '..', not empty)"
+        )
+    return name
+
+
+def confined_file(root: str | Path, relative: object, what: str) -> Path:
+    """``root / relative`` when it stays inside ``root`` (no absolute paths, no ``..`` escapes).
+
+    Raises:
+        UserError: ``relative`` is not a string, is absolute, or resolves outside ``root``.
+    """
+    root = Path(root)
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute():
+        raise UserError(f"{what} {relative!r} must be a file name inside {root}, not an absolute or empty path")
+    path = root / relative
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise UserError(f"{what} {relative!r} points outside {root}; it must name a file inside that folder") from None
+    return path

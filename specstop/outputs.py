@@ -1,0 +1,196 @@
+"""Output folders: one writer at a time (lock files with stale-lock detection), nothing left behind
+by a run that failed before writing anything.
+
+A command that writes into a folder (``generate --data``, ``pipeline`` run folders, ``export --out``,
+``eval --out``) claims it with :func:`claim_output_dir`:
+
+* a lock file ``<folder>/.specstop-locks/<role>.lock`` records the holder's pid, host and start
+  time. A second run finds a live holder and refuses with one line naming it; a lock whose process
+  is gone (killed, crashed, rebooted: pid not running, or running but started later - a reused
+  pid) is stale and taken over;
+* roles let cooperating writers share a folder: ``generate`` workers of one job each hold
+  ``worker-<i>-of-<n>``; a single-process run (or ``--merge``) holds the whole folder, so it
+  conflicts with any live worker and vice versa;
+* if the command fails and the folder it created holds nothing but the lock, the folder is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from specstop.errors import UserError
+
+log = logging.getLogger(__name__)
+
+LOCK_DIR = ".specstop-locks"
+EXCLUSIVE = "all"
+
+
+class FolderBusyError(UserError):
+    """Another live specstop process is writing the folder."""
+
+
+def _process_start(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return float(psutil.Process(pid).create_time())
+    except Exception:  # no such process, no permission, no psutil
+        return None
+
+
+def holder_alive(info: dict) -> bool:
+    """Is the process recorded in a lock file still running (on this host)?
+
+    A lock from another host cannot be checked and counts as alive (delete it by hand if that
+    run is gone). A pid that is running but started after the lock was written is a reused pid.
+    """
+    if info.get("host") != socket.gethostname():
+        return True
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    started = _process_start(pid)
+    if started is None:
+        return False
+    recorded = info.get("process_start")
+    return not (isinstance(recorded, (int, float)) and started > recorded + 1.0)
+
+
+def _read_lock(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _conflicts(mine: str, other: str) -> bool:
+    """Do two roles write the same shards? Workers of one job (same n, other i) do not."""
+    if mine == EXCLUSIVE or other == EXCLUSIVE or mine == other:
+        return True
+    a, b = mine.split("-of-"), other.split("-of-")
+    return len(a) != 2 or len(b) != 2 or a[1] != b[1]
+
+
+def _describe(info: dict | None, path: Path) -> str:
+    if not info:
+        return f"lock file {path}"
+    return (
+        f"`{info.get('command', 'specstop')}` (pid {info.get('pid')} on {info.get('host')}, "
+        f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.get('created', 0)))})"
+    )
+
+
+class FolderLock:
+    """An advisory lock on ``folder`` for one role (see the module docstring)."""
+
+    def __init__(self, folder: str | Path, role: str = EXCLUSIVE, command: str = "specstop") -> None:
+        self.folder = Path(folder)
+        self.role = role
+        self.command = command
+        self.path = self.folder / LOCK_DIR / f"{role}.lock"
+        self.held = False
+
+    def acquire(self) -> FolderLock:
+        """Take the lock or raise :class:`FolderBusyError` naming the live holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {
+            "pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
+            "created": time.time(), "command": self.command, "role": self.role,
+        }
+        for _attempt in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                info = _read_lock(self.path)
+                if info is not None and info.get("pid") == os.getpid() and info.get("host") == me["host"]:
+                    return self  # re-entrant: this process already holds it (the outer claim releases it)
+                if info is not None and holder_alive(info):
+                    raise FolderBusyError(self._busy_message(info, self.path)) from None
+                log.info("removing a stale lock of a process that is gone: %s", _describe(info, self.path))
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            break
+        else:  # pragma: no cover - another process took the stale lock between our two attempts
+            raise FolderBusyError(self._busy_message(_read_lock(self.path), self.path))
+        # Cooperating roles hold other lock files: refuse when a live one writes the same shards.
+        for other in sorted(self.path.parent.glob("*.lock")):
+            if other == self.path or not _conflicts(self.role, other.stem):
+                continue
+            info = _read_lock(other)
+            if info is None or not holder_alive(info):
+                other.unlink(missing_ok=True)
+                continue
+            self.release()
+            raise FolderBusyError(self._busy_message(info, other))
+        return self
+
+    def _busy_message(self, info: dict | None, path: Path) -> str:
+        return (
+            f"{self.folder} is being written by another run: {_describe(info, path)}; wait for it to finish or "
+            f"use another output folder (if that process is gone on another machine, delete {path})"
+        )
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+            with contextlib.suppress(OSError):
+                self.path.parent.rmdir()  # only when no other lock is left
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _only_locks_left(folder: Path) -> bool:
+    return all(p.name == LOCK_DIR for p in folder.iterdir())
+
+
+@contextlib.contextmanager
+def claim_output_dir(folder: str | Path, *, role: str = EXCLUSIVE, command: str = "specstop") -> Iterator[Path]:
+    """Create (if needed) and lock ``folder`` for this run; remove it again if the run fails before
+    writing anything into a folder it created.
+
+    Args:
+        folder: the output folder.
+        role: ``all`` (this run writes the whole folder) or ``worker-<i>-of-<n>``.
+        command: shown to a second run that finds the folder busy.
+
+    Yields:
+        The folder as a Path.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"output folder {folder} is a file; give a folder path")
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FolderLock(folder, role, command)
+    try:
+        lock.acquire()
+    except BaseException:
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    try:
+        yield folder
+    except BaseException:
+        lock.release()
+        if created and folder.is_dir() and _only_locks_left(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    else:
+        lock.release()
