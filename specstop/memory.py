@@ -269,3 +269,39 @@ def guarded_stage(name: str) -> Iterator[None]:
                 if previous_handler is not None:
                     signal.signal(GUARD_SIGNAL, previous_handler)
         release_memory()
+
+
+class PeakRSS:
+    """Context manager sampling this process's resident memory (every 0.25 s) to report a stage's
+    peak: ``with PeakRSS() as m: ...; m.peak`` (bytes; includes the RSS at entry and exit)."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            import psutil
+
+            return int(psutil.Process().memory_info().rss)
+        except Exception:  # no psutil / no /proc: report nothing rather than fail the stage
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = self._rss()
+        self._thread = threading.Thread(target=self._run, name="specstop-peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self._rss())

@@ -491,7 +491,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("stages:")
     for st in summary["stages"]:
-        print(f"  {st['name']:<22} {st['status']:<7} {st['seconds']:8.1f} s")
+        peak = f"  peak {st['peak_rss'] / 1e9:5.1f} GB" if st.get("peak_rss") else ""
+        print(f"  {st['name']:<22} {st['status']:<7} {st['seconds']:8.1f} s{peak}")
     print()
     print(_provenance(summary["eval"]))
     print()

@@ -38,6 +38,7 @@ class StageResult:
     fingerprint: str
     outputs: dict = field(default_factory=dict)
     note: str = ""
+    peak_rss: int | None = None  # bytes, sampled while the stage ran (None when reused)
 
 
 class StageRunner:
@@ -115,7 +116,8 @@ class StageRunner:
         return res
 
     def summary_table(self) -> str:
-        lines = ["| stage | status | seconds | note |", "|---|---|---:|---|"]
+        lines = ["| stage | status | seconds | peak memory (GB) | note |", "|---|---|---:|---:|---|"]
         for r in self.results:
-            lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {r.note} |")
+            peak = "-" if not r.peak_rss else f"{r.peak_rss / 1e9:.1f}"
+            lines.append(f"| {r.name} | {r.status} | {r.seconds:.1f} | {peak} | {r.note} |")
         return "\n".join(lines)

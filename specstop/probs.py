@@ -84,6 +84,9 @@ def logits_to_probs(logits: torch.Tensor, decoding: DecodingConfig, vocab_size: 
                 "the model's output layer is smaller than its tokenizer - is this the right tokenizer?"
             )
         logits = logits[..., :vocab_size]
+    if decoding.greedy:
+        # One pass: softmax casts to float32 itself (no separate [.., V] float32 copy).
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
     logits = logits.float()
     if not decoding.greedy:
         logits = logits / decoding.temperature
@@ -104,9 +107,7 @@ def logits_to_probs(logits: torch.Tensor, decoding: DecodingConfig, vocab_size: 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats. ``[..., V] -> [...]`` (0 * log 0 counts as 0)."""
-    probs = probs.float()
-    logp = torch.log(probs.clamp_min(1e-30))
-    return -(probs * logp).sum(-1)
+    return torch.special.entr(probs.float()).sum(-1)  # entr(x) = -x log x, entr(0) = 0: one pass
 
 
 def tv_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -207,23 +207,31 @@ def test_token_mixing_rows(pair, batch):
     assert 0 < r < len(t.columns["token"]) * draws
 
 
-def test_rollouts_equal_direct_greedy_generation(pair, batch):
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["prefill", "shared-kv"])
+def test_rollouts_equal_direct_greedy_generation(pair, batch, shared_prefix):
+    # With shared_prefix the rollouts continue from the teacher-forced draft pass's KV cache.
     prepared, resp = batch
-    t = _teacher(pair, prepared, resp)
+    t = teacher_labels(
+        pair, [p.record.prompt_id for p in prepared], [p.record.source_index for p in prepared],
+        [p.ids for p in prepared], [r.ids for r in resp], decoding=DecodingConfig(), k=10, seed=0,
+        keep_draft_cache=shared_prefix,
+    )
     c = t.columns
     mism = np.nonzero(c["draft_argmax"] != c["token"])[0]
     assert len(mism) >= 3
-    prefixes, caps = [], []
+    prefixes, caps, starts = [], [], []
     for row in mism:
         b = int(np.searchsorted(t.offsets, row, side="right") - 1)
         m = int(c["position"][row])
         prefixes.append(prepared[b].ids + resp[b].ids[:m] + [int(c["draft_argmax"][row])])
         caps.append(rollout_cap(m, 8, 24))
+        starts.append((b, m))
     caps[0] = 0  # a mismatch too late to roll out still gets a (length 0) row
     eos = eos_ids(pair)
     rolls = greedy_rollouts(
         pair.draft, prefixes, caps, vocab_size=pair.vocab_size, decoding=DecodingConfig(), k=10,
         eos_ids=eos, pad_id=pair.tokenizer.pad_token_id, hidden=True, batch_size=4,
+        prefix=t.draft_prefix, starts=starts,
     )
     V = pair.vocab_size
     for pre, cap, ro in zip(prefixes, caps, rolls):
@@ -256,3 +264,22 @@ def test_rollout_cap():
     assert rollout_cap(120, 20, 128) == 6
     assert rollout_cap(127, 20, 128) == 0
     assert DataGenConfig().labels.rollouts.splits == ["validation", "test"]
+
+
+def test_captured_generate_logits_equal_teacher_forced_pass(pair, batch):
+    # Labels from the logits generate computed equal those of a teacher-forced target pass.
+    prepared, resp = batch
+    cap = generate_responses(pair, prepared, GenerationConfig(max_new_tokens=24), seed=0, capture_logits=True)
+    assert [r.ids for r in cap] == [r.ids for r in resp]
+    tf = forward_positions(pair.target, [p.ids for p in prepared], [r.ids for r in resp], 0).logits
+    torch.testing.assert_close(torch.cat([r.logits for r in cap]), tf, atol=2e-5, rtol=1e-4)
+    a = _teacher(pair, prepared, resp)
+    b = teacher_labels(
+        pair, [p.record.prompt_id for p in prepared], [p.record.source_index for p in prepared],
+        [p.ids for p in prepared], [r.ids for r in cap], decoding=DecodingConfig(), k=10, seed=0,
+        chunk_rows=7, target_logits=[r.logits for r in cap],
+    )
+    for col in ("target_top1", "greedy_match", "draft_argmax", "draft_token", "verified"):
+        np.testing.assert_array_equal(a.columns[col], b.columns[col])
+    for col in ("tv", "accept_prob", "entropy"):
+        np.testing.assert_allclose(a.columns[col], b.columns[col], atol=1e-5)

@@ -191,11 +191,15 @@ def run(args: argparse.Namespace) -> int:
             cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
             target_device_map=cfg.target_device_map,
         )
-        result = generate_dataset(
-            pair, records, cfg, cfg.out, num_shards=num_shards, shard_index=shard_index,
-            progress=not args.no_progress,
-        )
-    log.info("generated %d shard(s), kept %d finished one(s)", len(result["done"]), len(result["skipped"]))
+        from specstop.memory import PeakRSS
+
+        with PeakRSS() as mem:
+            result = generate_dataset(
+                pair, records, cfg, cfg.out, num_shards=num_shards, shard_index=shard_index,
+                progress=not args.no_progress,
+            )
+    log.info("generated %d shard(s), kept %d finished one(s); peak memory %.1f GB (models included)",
+             len(result["done"]), len(result["skipped"]), mem.peak / 1e9)
     if result["manifest"]:
         print(result["manifest"])
     return 0

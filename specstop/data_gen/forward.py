@@ -33,11 +33,34 @@ class PositionOutputs:
     logits: torch.Tensor
     hidden: torch.Tensor | None
     offsets: list[int]
+    prefix: PrefixCache | None = None
+
+
+@dataclass
+class PrefixCache:
+    """The KV cache of a teacher-forced pass, kept so later passes can continue from any prefix of a
+    row without re-encoding it (rollouts start from x + X_<m of every mismatch m).
+
+    Attributes:
+        cache: the pass's ``DynamicCache`` ``[B, heads, L, d]`` per layer (left padded).
+        mask: ``[B, L]`` attention mask. positions: ``[B, L]`` position ids.
+        lengths: ``[B]`` response lengths N_b; response token i of row b sits at column L - N_b + i.
+    """
+
+    cache: object
+    mask: torch.Tensor
+    positions: torch.Tensor
+    lengths: list[int]
+
+    def column(self, b: int, i: int) -> int:
+        """Padded column of response token i of row b (the prefix x + X_<i ends just before it)."""
+        return self.mask.shape[1] - self.lengths[b] + i
 
 
 @torch.no_grad()
 def forward_positions(
-    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, *, hidden: bool = False
+    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int, *, hidden: bool = False,
+    keep_cache: bool = False,
 ) -> PositionOutputs:
     """Teacher-forced forward of ``model`` over ``prompt_b + response_b`` for every b.
 
@@ -47,6 +70,7 @@ def forward_positions(
         responses: B response id lists (may be empty).
         pad_id: padding id (masked).
         hidden: also return the final hidden state at every response token.
+        keep_cache: also return the pass's KV cache (:class:`PrefixCache`).
 
     Returns:
         :class:`PositionOutputs` for the ``sum_b N_b`` response positions.
@@ -62,11 +86,17 @@ def forward_positions(
         return PositionOutputs(torch.zeros(0, 0), None, offsets)
     ids, mask, pos = left_pad(seqs, pad_id, device)
     L = ids.shape[1]
+    cache = None
+    if keep_cache:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
     out = model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
-        use_cache=False,
+        past_key_values=cache,
+        use_cache=keep_cache,
         logits_to_keep=nmax + 1,
         output_hidden_states=hidden,
     )
@@ -81,4 +111,5 @@ def forward_positions(
     if hidden:
         hs = out.hidden_states[-1]
         h = hs[b_idx.to(hs.device), (L - n_b + i_idx).to(hs.device)]
-    return PositionOutputs(logits, h, offsets)
+    prefix = PrefixCache(cache, mask, pos, n) if keep_cache else None
+    return PositionOutputs(logits, h, offsets, prefix)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from specstop.data_gen.batching import sample_from_uniform, uniforms
-from specstop.data_gen.forward import forward_positions
+from specstop.data_gen.forward import PrefixCache, forward_positions
 from specstop.errors import UserError
 from specstop.probs import (
     DecodingConfig,
@@ -40,6 +40,7 @@ class TeacherLabels:
 
     offsets: list[int]
     columns: dict[str, np.ndarray]
+    draft_prefix: PrefixCache | None = None
 
 
 class NonFiniteLogitsError(UserError, FloatingPointError):
@@ -48,7 +49,10 @@ class NonFiniteLogitsError(UserError, FloatingPointError):
 
 def check_finite(logits: torch.Tensor, row0: int, offsets: Sequence[int], prompt_ids: Sequence[str], who: str) -> None:
     """Raise naming the prompt (and position) when ``logits [r, V]`` hold NaN or inf."""
-    bad = ~torch.isfinite(logits).all(-1)
+    # amax propagates NaN and +inf (one reduction instead of a [r, V] bool tensor); -inf is a
+    # legitimate masked logit unless the whole row is -inf.
+    top = logits.amax(-1)
+    bad = ~torch.isfinite(top)
     if bool(bad.any()):
         r = row0 + int(bad.nonzero()[0, 0])
         b = int(np.searchsorted(np.asarray(offsets), r, side="right") - 1)
@@ -81,7 +85,9 @@ def teacher_labels(
     k: int,
     seed: int,
     hidden: bool = False,
-    chunk_rows: int = 1024,
+    chunk_rows: int = 16,
+    target_logits: Sequence[torch.Tensor] | None = None,
+    keep_draft_cache: bool = False,
 ) -> TeacherLabels:
     """Label every response position of a batch by teacher forcing.
 
@@ -95,14 +101,22 @@ def teacher_labels(
         seed: run seed.
         hidden: store the draft's final hidden state after X_i is fed in.
         chunk_rows: rows turned into ``[rows, V]`` float32 distributions at once.
+        target_logits: B ``[N_b, V_model]`` target logits captured while generating the responses
+            (:func:`~specstop.data_gen.responses.generate_responses` ``capture_logits``); None runs a
+            teacher-forced target pass instead. Both are p_i = p(. | x, X_<i); they differ only by
+            kernel rounding (a block pass vs single steps).
+        keep_draft_cache: keep the draft pass's KV cache (``draft_prefix``) for rollouts.
 
     Returns:
         :class:`TeacherLabels`.
     """
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
     V = pair.vocab_size
-    t_out = forward_positions(pair.target, prompts, responses, pad)
-    d_out = forward_positions(pair.draft, prompts, responses, pad, hidden=hidden)
+    if target_logits is not None:
+        t_logits = torch.cat(list(target_logits)) if len(target_logits) else torch.zeros(0, 0)
+    else:
+        t_logits = forward_positions(pair.target, prompts, responses, pad).logits
+    d_out = forward_positions(pair.draft, prompts, responses, pad, hidden=hidden, keep_cache=keep_draft_cache)
     offsets = d_out.offsets
     R = offsets[-1]
     dev = pair.draft_device
@@ -115,7 +129,7 @@ def teacher_labels(
     for s in range(0, R, chunk_rows):
         e = min(R, s + chunk_rows)
         dl = d_out.logits[s:e]
-        tl = t_out.logits[s:e].to(dev)
+        tl = t_logits[s:e].to(dev)
         check_finite(dl[..., :V], s, offsets, prompt_ids, "draft")
         check_finite(tl[..., :V], s, offsets, prompt_ids, "target")
         q = logits_to_probs(dl, decoding, vocab_size=V)
@@ -143,4 +157,4 @@ def teacher_labels(
         out[c] = out[c].astype(np.int32)
     if hidden:
         out["hidden"] = d_out.hidden.to(torch.float16).cpu().numpy() if R else np.zeros((0, 0), np.float16)
-    return TeacherLabels(offsets, out)
+    return TeacherLabels(offsets, out, d_out.prefix)

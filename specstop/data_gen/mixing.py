@@ -39,7 +39,7 @@ def mixed_rows(
     rate: float,
     draws: int,
     batch_size: int,
-    chunk_rows: int = 1024,
+    chunk_rows: int = 16,
 ) -> tuple[list[int], dict[str, np.ndarray]]:
     """Mixed rows of a batch (hidden states are always stored: mixing exists for them).
 

@@ -8,6 +8,12 @@ Batched manual loop: prefixes are left padded, the first forward fills a ``Dynam
 each further step feeds one token per row with the attention mask extended by one and explicit
 position ids (last real position + 1), which is what single-sequence greedy ``generate`` computes.
 Tests check the equality with ``draft.generate`` from each prefix.
+
+Shared prefixes: every rollout of a response starts from x + X_<m, a prefix of the sequence the
+teacher-forced draft pass already encoded. Given that pass's KV cache (:class:`PrefixCache`),
+each rollout's cache is gathered from it (right-aligned, padding masked) and only d_m is fed,
+instead of re-encoding prompt and response once per mismatch - that prefill was most of the
+rollout time (measured: 12.8 s of 32 s for 8 MBPP prompts x 64 tokens on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 
 from specstop.data_gen.batching import left_pad
+from specstop.data_gen.forward import PrefixCache
 from specstop.data_gen.labels import argmax_vocab
 from specstop.probs import DecodingConfig, entropy, logits_to_probs, top_k_probs
 
@@ -64,6 +71,8 @@ def greedy_rollouts(
     pad_id: int,
     hidden: bool = False,
     batch_size: int = 64,
+    prefix: PrefixCache | None = None,
+    starts: Sequence[tuple[int, int]] | None = None,
 ) -> list[Rollout]:
     """Roll the draft out greedily from every prefix.
 
@@ -76,6 +85,9 @@ def greedy_rollouts(
         k: top-k size. eos_ids: a drafted EOS ends the rollout (it is kept, as in drafting).
         pad_id: padding id. hidden: also return hidden states.
         batch_size: prefixes rolled out together (sorted by length to limit padding).
+        prefix, starts: the teacher-forced pass's cache and, per prefix, ``(row b, response
+            position m)`` such that ``prefixes[i] == x_b + X_b[:m] + [d_m]``: everything but d_m is
+            taken from the cache (see module docstring).
 
     Returns:
         P :class:`Rollout` in the order of ``prefixes``.
@@ -88,14 +100,24 @@ def greedy_rollouts(
     results: list[Rollout | None] = [None] * len(prefixes)
     for cs in range(0, len(order), batch_size):
         idx = order[cs : cs + batch_size]
-        ids, mask, pos = left_pad([prefixes[i] for i in idx], pad_id, device)
         cap = torch.as_tensor([int(lengths[i]) for i in idx], dtype=torch.long, device=device)
         B = len(idx)
-        cache = DynamicCache(config=draft.config)
-        out = draft(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-            use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
-        )
+        if prefix is not None:
+            cache, mask, last_pos = _gather_prefixes(draft, prefix, [starts[i] for i in idx], device)
+            d_m = torch.as_tensor([[prefixes[i][-1]] for i in idx], dtype=torch.long, device=device)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = draft(
+                input_ids=d_m, attention_mask=mask, position_ids=last_pos.unsqueeze(-1), past_key_values=cache,
+                use_cache=True, output_hidden_states=hidden,
+            )
+            pos = last_pos.unsqueeze(-1)
+        else:
+            ids, mask, pos = left_pad([prefixes[i] for i in idx], pad_id, device)
+            cache = DynamicCache(config=draft.config)
+            out = draft(
+                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
+            )
         logits = out.logits[:, -1]
         mis_h = out.hidden_states[-1][:, -1].to(torch.float16).cpu().numpy() if hidden else None
         toks, tks, ents, hids = [], [], [], []
@@ -141,3 +163,24 @@ def greedy_rollouts(
                 if hidden else None,
             )
     return results  # type: ignore[return-value]
+
+
+def _gather_prefixes(draft, prefix: PrefixCache, starts: Sequence[tuple[int, int]], device):
+    """A batch cache holding, right-aligned, row b's cached columns before response position m for
+    every ``(b, m)`` in ``starts``; returns ``(cache, mask [R, Lmax], position of X_m [R])``."""
+    from transformers import DynamicCache
+
+    rows = torch.as_tensor([b for b, _ in starts], dtype=torch.long, device=device)
+    ends = torch.as_tensor([prefix.column(b, m) for b, m in starts], dtype=torch.long, device=device)
+    lmax = int(ends.max())
+    src = torch.arange(lmax, device=device)[None, :] - (lmax - ends)[:, None]  # [R, Lmax] source column
+    valid = src >= 0
+    src = src.clamp_min(0)
+    mask = (prefix.mask.to(device)[rows[:, None], src] * valid).to(prefix.mask.dtype)
+    cache = DynamicCache(config=draft.config)
+    for layer_idx, layer in enumerate(prefix.cache.layers):
+        # [B, H, L, D] -> [R, Lmax, H, D] (advanced indices first) -> [R, H, Lmax, D]
+        k = layer.keys[rows[:, None], :, src].permute(0, 2, 1, 3).contiguous()
+        v = layer.values[rows[:, None], :, src].permute(0, 2, 1, 3).contiguous()
+        cache.update(k, v, layer_idx)
+    return cache, mask, prefix.positions.to(device)[rows, ends]

@@ -15,7 +15,7 @@ import numpy as np
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.labels import teacher_labels
 from specstop.data_gen.mixing import mixed_rows
-from specstop.data_gen.responses import PreparedPrompt, Response, eos_ids, generate_responses
+from specstop.data_gen.responses import PreparedPrompt, Response, capture_fits, eos_ids, generate_responses
 from specstop.data_gen.rollouts import greedy_rollouts, rollout_cap
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,9 @@ def label_batch(
     dec = gen.decoding()
     k = lab.topk_k
     if responses is None:
-        responses = generate_responses(pair, prompts, gen, gen.seed)
+        capture = capture_fits(len(prompts), gen.max_new_tokens, pair.target_identity.logits_size,
+                               next(pair.target.parameters()).dtype)
+        responses = generate_responses(pair, prompts, gen, gen.seed, capture_logits=capture)
     pids = [p.record.prompt_id for p in prompts]
     pidx = [int(p.record.source_index) for p in prompts]
     p_ids = [p.ids for p in prompts]
@@ -101,6 +103,8 @@ def label_batch(
     teacher = teacher_labels(
         pair, pids, pidx, p_ids, r_ids, decoding=dec, k=k, seed=gen.seed,
         hidden=lab.hidden_states, chunk_rows=lab.chunk_rows,
+        target_logits=[r.logits for r in responses] if all(r.logits is not None for r in responses) else None,
+        keep_draft_cache=rollouts_enabled(cfg, split),
     )
     off = teacher.offsets
     row_prompt = np.repeat(np.arange(len(prompts)), np.diff(off))
@@ -120,18 +124,21 @@ def label_batch(
     if rollouts_enabled(cfg, split):
         c = teacher.columns
         mism = np.nonzero(c["draft_argmax"] != c["token"])[0]
-        prefixes, caps, owners = [], [], []
+        prefixes, caps, owners, starts = [], [], [], []
         for r in mism:
             b = int(row_prompt[r])
             m = int(c["position"][r])
             prefixes.append(p_ids[b] + r_ids[b][:m] + [int(c["draft_argmax"][r])])
+            starts.append((b, m))
             caps.append(rollout_cap(m, lab.rollouts.length, gen.max_new_tokens))
             owners.append((b, m, int(c["draft_argmax"][r])))
         pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
         rolls = greedy_rollouts(
             pair.draft, prefixes, caps, vocab_size=pair.vocab_size, decoding=dec, k=k,
             eos_ids=eos_ids(pair), pad_id=pad, hidden=lab.hidden_states, batch_size=lab.rollouts.batch_size,
+            prefix=teacher.draft_prefix, starts=starts,
         ) if prefixes else []
+        teacher.draft_prefix = None  # free the batch's KV cache
         cols = {
             "prompt_id": [pids[b] for b, _, _ in owners],
             "split": [split] * len(owners),
