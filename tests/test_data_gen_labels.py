@@ -82,11 +82,16 @@ def test_label_math_matches_brute_force(pair, batch, dec):
             assert c["target_top1"][row] == int(np.argmax(pp))
             assert c["greedy_match"][row] == (int(np.argmax(qq)) == x)
             y = int(c["draft_token"][row])
-            # Y_i is the inverse-CDF sample of the seeded uniform: cdf(y-1) <= u < cdf(y).
-            cdf = np.cumsum(qq)
-            assert qq[y] > 0 and (cdf[y - 1] if y else 0.0) - 1e-5 <= u_s[i] * cdf[-1] <= cdf[y] + 1e-5
-            assert c["accept_prob"][row] == pytest.approx(min(1.0, pp[y] / qq[y]), rel=1e-4, abs=1e-6)
-            assert c["verified"][row] == (u_v[i] < c["accept_prob"][row])
+            if dec.greedy:
+                # Greedy decoding drafts the argmax and accepts it iff it is the target's token.
+                assert y == int(np.argmax(qq))
+                assert c["accept_prob"][row] == float(y == x) and c["verified"][row] == (y == x)
+            else:
+                # Y_i is the inverse-CDF sample of the seeded uniform: cdf(y-1) <= u < cdf(y).
+                cdf = np.cumsum(qq)
+                assert qq[y] > 0 and (cdf[y - 1] if y else 0.0) - 1e-5 <= u_s[i] * cdf[-1] <= cdf[y] + 1e-5
+                assert c["accept_prob"][row] == pytest.approx(min(1.0, pp[y] / qq[y]), rel=1e-4, abs=1e-6)
+                assert c["verified"][row] == (u_v[i] < c["accept_prob"][row])
             np.testing.assert_allclose(c["hidden"][row], h[len(p.ids) + i].numpy(), rtol=2e-3, atol=2e-3)
 
 

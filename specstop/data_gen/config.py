@@ -149,6 +149,9 @@ class DataGenConfig:
         keep["generation"].pop("batch_size")
         keep["labels"].pop("chunk_rows")
         keep["labels"]["rollouts"].pop("batch_size")
+        from specstop.data_gen.labels import LABELS_VERSION
+
+        keep["labels_version"] = LABELS_VERSION
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 

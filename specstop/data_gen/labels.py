@@ -5,6 +5,12 @@ give p_i = p(. | x, X_<i) and q_i = q(. | x, X_<i); all distribution math is
 :mod:`specstop.probs` in float32. Random draws (Y_i ~ q_i, the Bernoulli ``verified``) use uniforms
 seeded per prompt (:func:`specstop.data_gen.batching.uniforms`), so labels do not depend on batch
 composition and a resumed run reproduces them exactly.
+
+Label semantics follow the decoding the dataset describes (:data:`LABEL_SEMANTICS`): greedy data
+(T = 0) label the argmax draft token, accepted iff it equals X_i (``accept_prob`` and ``verified``
+are the greedy match); sampled data label Y_i ~ q_i at the decoding temperature/top-k/top-p with
+``accept_prob = min(1, p(Y_i)/q(Y_i))`` and a Bernoulli ``verified``. ``tv`` (DISCO) is TV(p_i, q_i)
+in both.
 """
 
 from __future__ import annotations
@@ -41,6 +47,18 @@ class TeacherLabels:
     offsets: list[int]
     columns: dict[str, np.ndarray]
     draft_prefix: PrefixCache | None = None
+
+
+# Recorded in manifests and in the shard fingerprint: a dataset never mixes label semantics.
+LABELS_VERSION = 2  # 2: greedy data label the argmax draft token (1 sampled Y_i at T = 1)
+
+
+def label_semantics(decoding: DecodingConfig) -> str:
+    """One line saying what ``draft_token`` / ``accept_prob`` / ``verified`` mean for ``decoding``."""
+    if decoding.greedy:
+        return "greedy: draft_token = argmax q_i; accept_prob = verified = greedy match (draft_token == X_i)"
+    return (f"sampled (T={decoding.temperature:g}, top_k={decoding.top_k}, top_p={decoding.top_p:g}): "
+            "draft_token ~ q_i; accept_prob = min(1, p/q); verified ~ Bernoulli(accept_prob)")
 
 
 class NonFiniteLogitsError(UserError, FloatingPointError):
@@ -134,16 +152,24 @@ def teacher_labels(
         check_finite(tl[..., :V], s, offsets, prompt_ids, "target")
         q = logits_to_probs(dl, decoding, vocab_size=V)
         p = logits_to_probs(tl, decoding, vocab_size=V)
-        y = sample_from_uniform(q, u_sample[s:e])
-        acc = accept_probability(p, q, y)
-        cols["draft_argmax"].append(argmax_vocab(dl, V))
+        d_arg = argmax_vocab(dl, V)
+        if decoding.greedy:
+            # Greedy decoding drafts the argmax and accepts it iff it equals the target's token:
+            # the draft token, its acceptance and the verification outcome follow that rule.
+            y = d_arg
+            acc = (d_arg == x_tok[s:e]).float()
+        else:
+            y = sample_from_uniform(q, u_sample[s:e])
+            acc = accept_probability(p, q, y)
+        cols["draft_argmax"].append(d_arg)
         cols["target_top1"].append(argmax_vocab(tl, V))
         cols["topk"].append(top_k_probs(q, k))
         cols["entropy"].append(entropy(q))
         cols["tv"].append(tv_distance(p, q))
         cols["draft_token"].append(y)
         cols["accept_prob"].append(acc)
-        # Bernoulli(accept_prob) from a seeded uniform: the outcome speculative sampling would verify.
+        # Bernoulli(accept_prob) from a seeded uniform: the outcome speculative sampling would verify
+        # (greedy: acc is 0 or 1, so this is the greedy match itself).
         cols["verified"].append(u_verify[s:e].to(dev) < acc.double())
         del q, p
     out: dict[str, np.ndarray] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from specstop.data_gen import storage
 from specstop.data_gen.card import write_dataset_card
 from specstop.data_gen.config import DataGenConfig
+from specstop.data_gen.labels import LABELS_VERSION, label_semantics
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
 from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
@@ -339,6 +340,8 @@ def write_manifest(
             "eos_token_id": eos[0] if isinstance(eos, list) and len(eos) == 1 else eos,
         },
         "labels": {
+            "version": LABELS_VERSION,
+            "semantics": label_semantics(g.decoding()),
             "topk_k": lab.topk_k,
             "hidden_states": hidden_on,
             "hidden_size": meta0.get("hidden_size") if hidden_on else None,
