@@ -126,6 +126,8 @@ class PolicySpec:
         if self.kind == "heuristic":
             return f"heuristic(start={self.start})"
         if self.kind == "confidence":
+            if self.rule == "cumprod":
+                return f"confidence-cumprod(h={self.threshold:.4g},max={self.sl_max})"
             return f"confidence:{self.threshold:g}"
         if self.kind == "predictor":
             sym = "h" if self.rule == "cumprod" else "tau"
@@ -201,6 +203,9 @@ class RoundPolicy:
         if s.kind in ("static", "heuristic"):
             return False
         if s.kind == "confidence":
+            if s.rule == "cumprod":  # cumulative confidence: stop when 1 - prod(top1) > h
+                self._cum *= step.top1
+                return 1.0 - self._cum > s.threshold
             return step.top1 < s.threshold
         if s.kind == "predictor":
             if step.score is None:  # hidden-state predictors have no score for token 1

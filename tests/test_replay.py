@@ -104,7 +104,9 @@ SPECS = [
     PolicySpec(kind="heuristic", start=5, sl_max=12),
     PolicySpec(kind="oracle"),
     PolicySpec(kind="confidence", threshold=0.4, sl_max=8),
+    PolicySpec(kind="confidence", rule="cumprod", threshold=0.6, sl_max=8),
     PolicySpec(kind="predictor", family="dist", threshold=0.35, sl_max=10),
+    PolicySpec(kind="predictor", family="dist", rule="cumprod", threshold=0.5, sl_max=10),
     PolicySpec(kind="predictor", family="hidden", reads="hidden", threshold=0.45, sl_max=12),
     PolicySpec(kind="predictor", family="hidden", reads="hidden", rule="cumprod", threshold=0.7, sl_max=12),
 ]

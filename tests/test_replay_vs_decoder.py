@@ -65,7 +65,9 @@ def _policies(data, predictors):
         PolicySpec(kind="static", k=6),
         PolicySpec(kind="heuristic", start=2),
         PolicySpec(kind="confidence", threshold=0.3, sl_max=8),
+        PolicySpec(kind="confidence", rule="cumprod", threshold=0.5, sl_max=8),
         PolicySpec(kind="predictor", family="disco_ffn", rule="below", threshold=float(d), sl_max=8, reads="dist"),
+        PolicySpec(kind="predictor", family="disco_ffn", rule="cumprod", threshold=0.6, sl_max=8, reads="dist"),
         PolicySpec(
             kind="predictor", family="specdecpp_resnet", rule="cumprod", threshold=float(1 - s), sl_max=10, reads="hidden"
         ),
@@ -91,7 +93,7 @@ def test_decoder_counts_equal_replay(setup):
             assert res.counters["N_draft"] == counts.drafted, ctx
             assert res.counters["N_discarded"] == counts.discarded, ctx
             checked += 1
-    assert checked == 7 * data.num_prompts
+    assert checked == len(_policies(data, predictors)) * data.num_prompts
 
 
 def test_policies_exercise_varied_rounds(setup):

@@ -15,7 +15,9 @@ from specstop.policy import PolicySpec
 
 RULES = [
     PolicySpec(kind="confidence", sl_max=8),
+    PolicySpec(kind="confidence", rule="cumprod", sl_max=8),
     PolicySpec(kind="predictor", family="dist", sl_max=10),
+    PolicySpec(kind="predictor", family="dist", rule="cumprod", sl_max=10),
     PolicySpec(kind="predictor", family="hidden", reads="hidden", sl_max=12),
     PolicySpec(kind="predictor", family="hidden", reads="hidden", rule="cumprod", sl_max=12),
 ]

@@ -52,7 +52,7 @@ def k_of_start(data: ReplayData, spec: PolicySpec, cap: int | None = None) -> np
     eos_row = data.token == data.eos_token_id
     values, reads, rule = None, "dist", "below"
     if spec.kind == "confidence":
-        values = data.top1
+        values, rule = data.top1, spec.rule
     elif spec.kind == "predictor":
         key = score_key(spec)
         values, reads, rule = data.row_scores[key], data.score_reads.get(key, spec.reads), spec.rule

@@ -115,6 +115,9 @@ def build_report(
     run("confidence_0.4", "confidence 0.4", PolicySpec(kind="confidence", threshold=0.4, sl_max=cap20))
     if (sp := tuned_spec("confidence_opt")) is not None:
         run("confidence_opt", f"confidence tuned ({sp.threshold:.3g}, max {sp.sl_max})", sp)
+    if "confidence_cumprod" in pols:
+        sp = PolicySpec.from_dict(pols["confidence_cumprod"]["spec"])
+        run("confidence_cumprod", f"cumulative confidence tuned (h={sp.threshold:.3g}, max {sp.sl_max})", sp)
     seen_families = set()
     for name, pol in pols.items():
         spec = PolicySpec.from_dict(pol["spec"])

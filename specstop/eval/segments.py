@@ -449,7 +449,7 @@ def policy_values(
 ) -> tuple[np.ndarray | None, str, str]:
     """(slot values, rule, reads) the segment engine needs for ``spec``."""
     if spec.kind == "confidence":
-        return layout.top1, "below", "dist"
+        return layout.top1, spec.rule, "dist"
     if spec.kind == "predictor":
         key = score_key(spec)
         if key not in data.row_scores:

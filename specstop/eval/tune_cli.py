@@ -24,6 +24,7 @@ from specstop.eval.tune import (
     check_sl_max,
     max_sl_supported,
     tune_heuristic,
+    tune_rules,
     tune_static,
     tune_threshold,
 )
@@ -139,6 +140,12 @@ def tune_dataset(
         data, PolicySpec(kind="confidence", threshold=0.4), cost, sl_max_grid, layout=layout
     )
     policies["confidence_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    # A training-free baseline with SpecDec++'s cumulative rule on the draft's own top-1: it shows how
+    # much of a learned policy's gain comes from its scores rather than from the rule.
+    spec, rec = tune_threshold(
+        data, PolicySpec(kind="confidence", rule="cumprod", threshold=0.5), cost, sl_max_grid, layout=layout
+    )
+    policies["confidence_cumprod"] = {"spec": spec.to_dict(), "validation": rec}
     for name, meta in info.items():
         base = PolicySpec(
             kind="predictor",
@@ -147,8 +154,9 @@ def tune_dataset(
             reads=meta["reads"],
             extra={"scores": name, "checkpoint": name},
         )
-        grid = SPECDECPP_GRID if meta["rule"] == "cumprod" else None
-        spec, rec = tune_threshold(data, base, cost, sl_max_grid, layout=layout, paper_grid=grid)
+        rules = (meta["rule"],) + tuple(r for r in ("below", "cumprod") if r != meta["rule"])
+        spec, rec = tune_rules(data, base, cost, sl_max_grid, rules=rules, layout=layout,
+                               paper_grid=SPECDECPP_GRID if meta["family"] == "specdecpp_resnet" else None)
         policies[name] = {"spec": spec.to_dict(), "validation": rec}
     best = min(policies, key=lambda n: policies[n]["validation"]["latency_per_token"])
     return {
