@@ -43,6 +43,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
+from specstop.pair.fast_paths import contiguous_output_head
 from specstop.probs import DecodingConfig, logits_to_probs
 
 __all__ = [
@@ -77,6 +78,9 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         # The parent filters the processors into a plain list; make it callable again.
         self.logits_processor = LogitsProcessorList(self.logits_processor)
         self.policy = policy
+        # Our drafting loop keeps one logit row of a multi-token catch-up feed; without this a CPU
+        # copies the whole output head per call (see specstop.pair.fast_paths). Exact: same logits.
+        contiguous_output_head(self.assistant_model)
         self.policy.configure(decoding_from_generation_config(self.generation_config), vocab_size)
         self.do_sample = bool(self.generation_config.do_sample)
         eos = self.generation_config.eos_token_id
