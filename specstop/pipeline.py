@@ -440,6 +440,23 @@ def _provenance(report: dict) -> str:
     return CostModel.from_dict(c).provenance_line() if c else "No eval report yet."
 
 
+def family_metrics_table(train_metrics: dict) -> str:
+    """One row per trained family: its label, the rows it was scored on and the validation metrics."""
+    cols = ("auroc", "ap", "f1", "ece", "kl")
+    lines = ["| family | label | table (rows) | monitor (best) | " + " | ".join(c.upper() for c in cols) + " |",
+             "|---|---|---|---|" + "---:|" * len(cols)]
+    for fam, m in train_metrics.items():
+        m = m or {}
+        v = m.get("validation") or {}
+        best = m.get("best_score")
+        lines.append(
+            f"| {fam} | {m.get('label', '-')} | {v.get('table', '-')} ({v.get('rows', '-')}) | "
+            f"{m.get('monitor', '-')} ({'-' if best is None else f'{best:.4f}'}) | "
+            + " | ".join("-" if v.get(c) is None else f"{v[c]:.4f}" for c in cols) + " |"
+        )
+    return "\n".join(lines)
+
+
 def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path, export_dir: Path,
                      train_metrics: dict, seconds: float) -> dict:
     run_dir = Path(cfg.run_dir)
@@ -466,11 +483,7 @@ def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path
                "decoding is lossless relative to the target in this dtype (bf16 near-ties can flip between "
                "batched verification and single-token steps; listed below).", "",
                online.get("markdown", ""), ""]
-    md += ["## Validation metrics per family", "", "| family | metrics |", "|---|---|"]
-    for fam, m in train_metrics.items():
-        keep = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in (m or {}).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        md.append(f"| {fam} | {json.dumps(keep)[:400]} |")
+    md += ["## Validation metrics per family (best checkpoint)", "", family_metrics_table(train_metrics), ""]
     md += ["", "## Stages", "", runner.summary_table(), "", f"Total wall time: {seconds:.0f} s", ""]
     (run_dir / "report.md").write_text("\n".join(md))
     atomic_write_json(run_dir / "report.json", summary)

@@ -20,7 +20,7 @@ from typing import Any
 
 from specstop.data_gen.storage import atomic_write_json, read_json_or_none
 from specstop.errors import ResourceLimitError, UserError
-from specstop.memory import guarded_stage
+from specstop.memory import PeakRSS, guarded_stage
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +93,14 @@ class StageRunner:
             return res
         log.info("stage %-10s running%s", name, " (config or inputs changed)" if prev else "")
         t0 = time.perf_counter()
+        mem = PeakRSS()
         try:
             # Each stage runs under the memory guard and frees its models when it ends, so the next
             # stage starts from a small footprint (stages run in this process).
-            with guarded_stage(f"pipeline stage {name!r}"):
+            with guarded_stage(f"pipeline stage {name!r}"), mem:
                 outputs = fn() or {}
         except BaseException as err:
-            self.results.append(StageResult(name, "failed", time.perf_counter() - t0, fp))
+            self.results.append(StageResult(name, "failed", time.perf_counter() - t0, fp, peak_rss=mem.peak or None))
             # Name the stage in a user error (the memory guard's message names it already).
             if isinstance(err, UserError) and not isinstance(err, ResourceLimitError) and err.args and not str(
                 err.args[0]
@@ -109,9 +110,10 @@ class StageRunner:
         dt = time.perf_counter() - t0
         atomic_write_json(
             self._record_path(name),
-            {"name": name, "fingerprint": fp, "status": "done", "seconds": dt, "outputs": outputs, "finished": time.time()},
+            {"name": name, "fingerprint": fp, "status": "done", "seconds": dt, "outputs": outputs,
+             "peak_rss": mem.peak or None, "finished": time.time()},
         )
-        res = StageResult(name, "ran", dt, fp, outputs)
+        res = StageResult(name, "ran", dt, fp, outputs, peak_rss=mem.peak or None)
         self.results.append(res)
         return res
 

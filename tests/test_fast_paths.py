@@ -75,10 +75,12 @@ def test_single_row_matvec_only_for_bf16_cpu_and_same_function():
     step = torch.tensor([[7]])
     from transformers import DynamicCache
 
+    from specstop.pair.compat import cache_kwarg
+
     def run():
         c = DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=c, use_cache=True)
-        one = model(input_ids=step, past_key_values=c, use_cache=True).logits
+        model(input_ids=ids, **cache_kwarg(model, c), use_cache=True)
+        one = model(input_ids=step, **cache_kwarg(model, c), use_cache=True).logits
         return one, model(input_ids=torch.cat([ids, step], 1)).logits
     ref_one, ref_block = run()
     n = single_row_matvec(model)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specstop.data_gen.batching import left_pad
+from specstop.pair.compat import cache_kwarg
 
 
 @dataclass
@@ -95,7 +96,7 @@ def forward_positions(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
-        past_key_values=cache,
+        **cache_kwarg(model, cache),
         use_cache=keep_cache,
         logits_to_keep=nmax + 1,
         output_hidden_states=hidden,

@@ -27,6 +27,7 @@ import torch
 from specstop.data_gen.batching import left_pad
 from specstop.data_gen.forward import PrefixCache
 from specstop.data_gen.labels import argmax_vocab
+from specstop.pair.compat import cache_kwarg, output_cache
 from specstop.probs import DecodingConfig, entropy, logits_to_probs, top_k_probs
 
 
@@ -107,7 +108,7 @@ def greedy_rollouts(
             d_m = torch.as_tensor([[prefixes[i][-1]] for i in idx], dtype=torch.long, device=device)
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             out = draft(
-                input_ids=d_m, attention_mask=mask, position_ids=last_pos.unsqueeze(-1), past_key_values=cache,
+                input_ids=d_m, attention_mask=mask, position_ids=last_pos.unsqueeze(-1), **cache_kwarg(draft, cache),
                 use_cache=True, output_hidden_states=hidden,
             )
             pos = last_pos.unsqueeze(-1)
@@ -115,7 +116,7 @@ def greedy_rollouts(
             ids, mask, pos = left_pad([prefixes[i] for i in idx], pad_id, device)
             cache = DynamicCache(config=draft.config)
             out = draft(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwarg(draft, cache),
                 use_cache=True, logits_to_keep=1, output_hidden_states=hidden,
             )
         logits = out.logits[:, -1]
@@ -140,7 +141,7 @@ def greedy_rollouts(
             mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
             out = draft(
                 input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos.unsqueeze(-1),
-                past_key_values=out.past_key_values, use_cache=True, output_hidden_states=hidden,
+                **cache_kwarg(draft, output_cache(out)), use_cache=True, output_hidden_states=hidden,
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1]

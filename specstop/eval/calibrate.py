@@ -29,6 +29,7 @@ import torch
 
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
+from specstop.pair.compat import cache_kwarg
 
 log = logging.getLogger("specstop")
 
@@ -145,7 +146,7 @@ class _Cached:
         self.cache = DynamicCache(config=model.config)
         self.length = len(context)
         with torch.no_grad():
-            model(input_ids=torch.tensor([context], device=self.device), past_key_values=self.cache,
+            model(input_ids=torch.tensor([context], device=self.device), **cache_kwarg(self.model, self.cache),
                   use_cache=True, logits_to_keep=1)
 
     @torch.no_grad()
@@ -154,7 +155,7 @@ class _Cached:
         ids = torch.tensor([tokens], device=self.device)
         _sync(self.device)
         t0 = time.perf_counter()
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=len(tokens))
+        out = self.model(input_ids=ids, **cache_kwarg(self.model, self.cache), use_cache=True, logits_to_keep=len(tokens))
         nxt = int(out.logits[0, -1].argmax())
         _sync(self.device)
         dt = time.perf_counter() - t0

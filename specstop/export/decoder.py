@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from specstop.export.runtime import StoppingPolicy
+from specstop.pair.compat import cache_kwarg
 from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
 
 __all__ = ["DecodeResult", "SpeculativeDecoder", "eos_token_ids"]
@@ -130,7 +131,7 @@ class _LM:
         pos = torch.arange(self.length, self.length + n, device=self.device)
         out = self.forward(
             input_ids=ids,
-            past_key_values=self.cache,
+            **cache_kwarg(self.model, self.cache),
             use_cache=True,
             cache_position=pos,
             position_ids=pos.unsqueeze(0),

@@ -43,6 +43,7 @@ from transformers.generation.candidate_generator import AssistedCandidateGenerat
 
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
+from specstop.pair.compat import cache_kwarg
 from specstop.pair.fast_paths import contiguous_output_head
 from specstop.probs import DecodingConfig, logits_to_probs
 
@@ -110,7 +111,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         pos = torch.arange(start, start + len(tokens), device=device)
         out = self.assistant_model(
             input_ids=torch.tensor([tokens], device=device),
-            past_key_values=self.cache,
+            **cache_kwarg(self.assistant_model, self.cache),
             use_cache=True,
             cache_position=pos,
             position_ids=pos.unsqueeze(0),
