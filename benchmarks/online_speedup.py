@@ -5,6 +5,8 @@ Methods (greedy):
     target (HF generate) --hf-target: the target alone through HF generate
     hf-default          --hf-default: HF assisted generation with its defaults (20 tokens, constant, confidence 0.4)
     hf-heuristic        --hf-heuristic: HF assisted generation, heuristic schedule (start 5, +2/-1)
+    ... (stock)         --hf-stock: HF's defaults and the target alone on a second copy of the pair loaded
+                        with plain from_pretrained (no specstop fast paths): what stock transformers gives
     ours:<policy>       our SpeculativeDecoder with each --policy (static:K, heuristic, confidence:T, an export
                         folder, or tuned:NAME for a policy of --tuned FILE, e.g. tuned:static_opt)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-default", action="store_true", help="HF assisted generation with its defaults")
     ap.add_argument("--hf-heuristic", action="store_true", help="HF assisted generation, heuristic schedule")
     ap.add_argument("--hf-target", action="store_true", help="also time the target alone through HF generate")
+    ap.add_argument("--hf-stock", action="store_true",
+                    help="also HF's defaults and the target alone on a second copy of the pair loaded with plain "
+                    "from_pretrained, without specstop's fast paths (what stock transformers users get)")
     ap.add_argument("--hf-policies", action="store_true", help="HF assisted generation driven by each --policy")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (--data), else 64")
     ap.add_argument("--repeats", type=int, default=2)
@@ -144,6 +149,11 @@ def main(argv=None) -> int:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     if args.hf_default:
         methods.append(online.hf_assisted_method("hf-default", pair))
+    if args.hf_stock:
+        stock = online.load_stock_models(pair)
+        methods.append(online.hf_assisted_method("hf-default (stock transformers)", pair, models=stock))
+        methods.append(online.Method("target (stock HF generate)",
+                                     lambda ids, n, t=stock[1]: online._hf_generate(pair, ids, n, target=t), "hf"))
     if args.hf_heuristic:
         methods.append(online.hf_assisted_method("hf-heuristic", pair, num_assistant_tokens=5,
                                                  schedule="heuristic", confidence=None))

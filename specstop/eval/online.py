@@ -5,7 +5,9 @@ Method (``pipeline``'s online stage and ``benchmarks/online_speedup.py`` both ru
 * every method first runs once on a short generation (warm-up: allocator, kernel choice);
 * then, for each repeat and each prompt, every method runs on that prompt in a shuffled order
   (interleaved, so drift and background load hit all methods alike);
-* per prompt and method the median over repeats is taken, per prompt the ratio to the baseline
+* per prompt and method the *fastest* of the repeats is taken (other load on the machine only ever
+  adds time: one repeat slowed 5-10x by a background job must not move the result), per prompt the
+  ratio to the baseline
   (target alone through our decoder's own loop, ``max_draft=0``: same prefill, same cache code),
   and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
   prompts (resampling prompts, 2000 times);
@@ -105,9 +107,11 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
     return Method(name, fn, kind, spec, replay_speedup)
 
 
-def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=None) -> Run:
+def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=None, target=None) -> Run:
     """One greedy ``target.generate`` call (optionally assisted, optionally driven by our policy) with a
-    clean generation config, so no checkpoint default (repetition penalty, sampling knobs) applies."""
+    clean generation config, so no checkpoint default (repetition penalty, sampling knobs) applies.
+    ``target`` replaces ``pair.target`` (e.g. a stock copy without specstop's fast paths)."""
+    target = pair.target if target is None else target
     from transformers import GenerationConfig
 
     from specstop.export.hf_assist import use_policy
@@ -122,10 +126,10 @@ def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=N
     t0 = time.perf_counter()
     with torch.no_grad():
         if policy is not None:
-            with use_policy(pair.target, policy, vocab_size=pair.vocab_size):
-                out = pair.target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
+            with use_policy(target, policy, vocab_size=pair.vocab_size):
+                out = target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
         else:
-            out = pair.target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
+            out = target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
     _sync(pair.target_device)
     return Run(tokens=_strip_eos(out[0, len(ids):].tolist(), _eos(pair)), seconds=time.perf_counter() - t0)
 
@@ -142,21 +146,36 @@ def hf_policy_method(name: str, pair, policy) -> Method:
 
 
 def hf_assisted_method(name: str, pair, *, num_assistant_tokens: int = 20, schedule: str = "constant",
-                       confidence: float | None = 0.4) -> Method:
+                       confidence: float | None = 0.4, models: tuple | None = None) -> Method:
     """HF assisted generation, greedy. Defaults are transformers' own: 20 tokens, constant schedule,
-    confidence threshold 0.4 (HF reads these from the assistant's generation config)."""
+    confidence threshold 0.4 (HF reads these from the assistant's generation config). ``models``:
+    ``(draft, target)`` to run instead of the pair's (e.g. :func:`load_stock_models`)."""
+    draft, target = models if models is not None else (pair.draft, pair.target)
 
     def fn(ids: list[int], max_new: int) -> Run:
-        dgc = pair.draft.generation_config
+        dgc = draft.generation_config
         saved = (dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule, dgc.assistant_confidence_threshold)
         dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule = num_assistant_tokens, schedule
         dgc.assistant_confidence_threshold = confidence
         try:
-            return _hf_generate(pair, ids, max_new, assistant=pair.draft)
+            return _hf_generate(pair, ids, max_new, assistant=draft, target=target)
         finally:
             dgc.num_assistant_tokens, dgc.num_assistant_tokens_schedule, dgc.assistant_confidence_threshold = saved
 
     return Method(name, fn, "hf")
+
+
+def load_stock_models(pair) -> tuple:
+    """``(draft, target)`` loaded again from the pair's folders with plain ``from_pretrained``, in the
+    pair's dtype and device, *without* specstop's fast paths (:mod:`specstop.pair.fast_paths`): what a
+    user of stock transformers runs. Costs a second copy of both models in memory."""
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for ident, device in ((pair.draft_identity, pair.draft_device), (pair.target_identity, pair.target_device)):
+        m = AutoModelForCausalLM.from_pretrained(ident.name_or_path, dtype=getattr(torch, ident.dtype))
+        out.append(m.to(device).eval().requires_grad_(False))
+    return tuple(out)
 
 
 def _eos(pair) -> set[int]:
@@ -216,11 +235,12 @@ def bootstrap_median(values: list[float], *, ci: float = CI, n: int = BOOTSTRAP,
     return float(np.median(v)), float(lo), float(hi)
 
 
-def _per_prompt_median(runs: list[list[Run]], attr: str) -> list[float | None]:
+def _per_prompt_fastest(runs: list[list[Run]], attr: str) -> list[float | None]:
+    """Per prompt, the smallest ``attr`` over its repeats (None when a run cannot report it)."""
     out = []
     for rs in runs:
         vals = [getattr(r, attr) for r in rs]
-        out.append(None if any(v is None for v in vals) else statistics.median(vals))
+        out.append(None if any(v is None for v in vals) else min(vals))
     return out
 
 
@@ -228,14 +248,14 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
               tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None) -> dict:
     """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags."""
     base = meas.runs[baseline]
-    base_total = _per_prompt_median(base, "seconds")
-    base_decode = _per_prompt_median(base, "decode_seconds")
+    base_total = _per_prompt_fastest(base, "seconds")
+    base_decode = _per_prompt_fastest(base, "decode_seconds")
     base_tokens = [rs[0].tokens for rs in base]
     rows = {}
     for m in methods:
         runs = meas.runs[m.name]
-        total = _per_prompt_median(runs, "seconds")
-        decode = _per_prompt_median(runs, "decode_seconds")
+        total = _per_prompt_fastest(runs, "seconds")
+        decode = _per_prompt_fastest(runs, "decode_seconds")
         r_total = [b / t for b, t in zip(base_total, total)]
         row: dict[str, Any] = {"kind": m.kind, "speedup": bootstrap_median(r_total)}
         if all(d is not None for d in decode) and all(b is not None for b in base_decode):
@@ -251,8 +271,8 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             row["rounds"] = n_round
             row["tokens_per_round"] = sum(len(r.tokens) for rs in runs for r in rs) / max(n_round, 1)
             row["drafted_per_round"] = k_tot / max(n_round, 1)
-            round_secs = sum(r.round_seconds for rs in runs for r in rs)
-            row["round_seconds"] = round_secs / max(n_round, 1)
+            # Per run seconds per round, then the median over runs: robust to a run slowed by other load.
+            row["round_seconds"] = float(np.median([r.round_seconds / max(r.rounds, 1) for rs in runs for r in rs]))
             ph = {}
             for rs in runs:
                 for r in rs:
@@ -261,7 +281,8 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             row["phases_per_round"] = {k: v / max(n_round, 1) for k, v in ph.items() if k not in ("total", "prefill")}
             if cost is not None:
                 c = cost.for_policy(m.spec) if m.spec is not None else cost
-                row["predicted_round_seconds"] = float(sum(c.total_hist(h) for h in hists) / max(n_round, 1))
+                row["predicted_round_seconds"] = float(np.median(
+                    [c.total_hist(r.k_hist) / max(r.rounds, 1) for rs in runs for r in rs]))
                 row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0
                 if m.kind != "baseline":
                     n_tok = [sum(len(r.tokens) for r in rs) for rs in runs]

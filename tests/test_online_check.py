@@ -1,0 +1,87 @@
+"""The online check's statistics: fastest of repeats, median of per-prompt ratios, bootstrap interval,
+measured-vs-predicted flags, round costs - on synthetic runs (no models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specstop.eval import online
+from specstop.eval.cost import CostModel
+
+
+def _run(seconds: float, k_hist: list[int] | None = None, tokens: int = 10, prefill: float = 0.0) -> online.Run:
+    rounds = None if k_hist is None else int(sum(k_hist))
+    return online.Run(tokens=list(range(tokens)), seconds=seconds, prefill=prefill, k_hist=k_hist, rounds=rounds,
+                      phases={"draft": 0.0}, round_seconds=seconds - prefill)
+
+
+def _measurement(runs: dict[str, list[list[online.Run]]]) -> online.Measurement:
+    first = next(iter(runs.values()))
+    return online.Measurement(prompts=len(first), repeats=len(first[0]), max_new_tokens=10, runs=runs)
+
+
+def test_one_slowed_repeat_does_not_move_the_speedup():
+    # 4 prompts x 2 repeats; the baseline's and the method's 2nd repeat of prompt 1 hit a 10x slowdown
+    # from other load. The fastest repeat per prompt ignores it.
+    base = [[_run(10.0, [10]), _run(10.0, [10])] for _ in range(4)]
+    meth = [[_run(5.0, [0, 0, 5]), _run(5.0, [0, 0, 5])] for _ in range(4)]
+    base[1][1] = _run(100.0, [10])
+    meth[1][1] = _run(50.0, [0, 0, 5])
+    methods = [online.Method("target", None, "baseline"), online.Method("ours", None)]
+    s = online.summarize(_measurement({"target": base, "ours": meth}), methods, baseline="target")
+    med, lo, hi = s["rows"]["ours"]["speedup"]
+    assert med == pytest.approx(2.0) and lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    # Seconds per round: the median over runs, not a sum an outlier dominates.
+    assert s["rows"]["ours"]["round_seconds"] == pytest.approx(1.0)
+
+
+def test_median_of_per_prompt_ratios_with_a_bootstrap_interval():
+    ratios = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]
+    base = [[_run(10.0, [10])] for _ in ratios]
+    meth = [[_run(10.0 / r, [0, 5])] for r in ratios]
+    methods = [online.Method("target", None, "baseline"), online.Method("ours", None)]
+    s = online.summarize(_measurement({"target": base, "ours": meth}), methods, baseline="target")
+    med, lo, hi = s["rows"]["ours"]["speedup"]
+    assert med == pytest.approx(np.median(ratios))
+    assert min(ratios) <= lo <= med <= hi <= max(ratios) and hi > lo
+
+
+def test_measured_and_predicted_more_than_ten_percent_apart_are_flagged():
+    cost = CostModel(t_draft=0.1, t_target=0.2, t_target_single=0.2, target_by_k={0: 0.2, 1: 0.2, 4: 0.2},
+                     provenance="measured")
+    # One round drafting 4 tokens per run: predicted round cost 4 * 0.1 + 0.2 = 0.6 s for 10 tokens,
+    # target alone 10 * 0.2 = 2 s -> predicted decode speedup 2 / 0.6 = 3.33x.
+    base = [[_run(2.0, [10])] for _ in range(3)]
+    close = [[_run(0.62, [0, 0, 0, 0, 1])] for _ in range(3)]
+    far = [[_run(1.0, [0, 0, 0, 0, 1])] for _ in range(3)]
+    methods = [online.Method("target", None, "baseline"), online.Method("close", None), online.Method("far", None)]
+    s = online.summarize(_measurement({"target": base, "close": close, "far": far}), methods, baseline="target",
+                         cost=cost)
+    assert s["rows"]["close"]["predicted_decode_speedup"] == pytest.approx(2.0 / 0.6)
+    assert s["rows"]["close"]["predicted_round_seconds"] == pytest.approx(0.6)
+    assert s["rows"]["close"]["flags"] == []
+    assert len(s["rows"]["far"]["flags"]) == 1 and "predicted" in s["rows"]["far"]["flags"][0]
+    md = online.to_markdown(s)
+    assert "| far |" in md and "90% bootstrap interval" in md
+
+
+def test_methods_run_interleaved_after_a_warm_up():
+    calls: list[tuple[str, int]] = []
+
+    def method(name):
+        def fn(ids, max_new):
+            calls.append((name, max_new))
+            return _run(1.0)
+        return online.Method(name, fn)
+
+    prompts = [[1], [2], [3]]
+    meas = online.measure(prompts, [method("a"), method("b")], max_new_tokens=20, repeats=2, warmup_tokens=4,
+                          progress=False)
+    assert calls[:2] == [("a", 4), ("b", 4)]  # warm-up first, short
+    timed = calls[2:]
+    assert len(timed) == 2 * 3 * 2
+    # Every consecutive pair of timed calls is one prompt run by both methods.
+    for i in range(0, len(timed), 2):
+        assert {timed[i][0], timed[i + 1][0]} == {"a", "b"}
+    assert all(len(rs) == 2 for rs in meas.runs["a"])
