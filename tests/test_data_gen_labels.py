@@ -277,7 +277,7 @@ def test_captured_generate_logits_equal_teacher_forced_pass(pair, batch):
     cap = generate_responses(pair, prepared, GenerationConfig(max_new_tokens=24), seed=0, capture_logits=True)
     assert [r.ids for r in cap] == [r.ids for r in resp]
     tf = forward_positions(pair.target, [p.ids for p in prepared], [r.ids for r in resp], 0).logits
-    torch.testing.assert_close(torch.cat([r.logits for r in cap]), tf, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([r.logits for r in cap]), tf[:], atol=2e-5, rtol=1e-4)
     a = _teacher(pair, prepared, resp)
     b = teacher_labels(
         pair, [p.record.prompt_id for p in prepared], [p.record.source_index for p in prepared],
@@ -288,3 +288,21 @@ def test_captured_generate_logits_equal_teacher_forced_pass(pair, batch):
         np.testing.assert_array_equal(a.columns[col], b.columns[col])
     for col in ("tv", "accept_prob", "entropy"):
         np.testing.assert_allclose(a.columns[col], b.columns[col], atol=1e-5)
+
+
+def test_row_logits_reads_rows_without_one_big_copy():
+    from specstop.data_gen.forward import RowLogits
+
+    block = torch.arange(3 * 5 * 4, dtype=torch.float32).reshape(3, 5, 4)
+    lengths = [2, 0, 4]
+    rows = RowLogits([block[b, 1 : 1 + n] for b, n in enumerate(lengths)])
+    flat = torch.cat([block[b, 1 : 1 + n] for b, n in enumerate(lengths)])
+    assert rows.shape == (6, 4) and len(rows) == 6
+    torch.testing.assert_close(rows[:], flat)
+    torch.testing.assert_close(rows[1:5], flat[1:5])
+    idx = torch.tensor([5, 0, 3, 4])
+    torch.testing.assert_close(rows[idx], flat[idx])
+    torch.testing.assert_close(rows[2], flat[2])
+    torch.testing.assert_close(rows[1:4, :2], flat[1:4, :2])
+    torch.testing.assert_close(rows[idx, 3], flat[idx, 3])
+    assert rows[np.array([], dtype=np.int64)].shape == (0, 4)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specstop.data_gen.batching import sample_from_uniform, uniforms
-from specstop.data_gen.forward import PrefixCache, forward_positions
+from specstop.data_gen.forward import PrefixCache, RowLogits, forward_positions
 from specstop.errors import UserError
 from specstop.probs import (
     DecodingConfig,
@@ -69,7 +69,22 @@ def check_finite(logits: torch.Tensor, row0: int, offsets: Sequence[int], prompt
     """Raise naming the prompt (and position) when ``logits [r, V]`` hold NaN or inf."""
     # amax propagates NaN and +inf (one reduction instead of a [r, V] bool tensor); -inf is a
     # legitimate masked logit unless the whole row is -inf.
-    top = logits.amax(-1)
+    _raise_if_not_finite(logits.amax(-1), row0, offsets, prompt_ids, who)
+
+
+def checked_argmax(logits: torch.Tensor, row0: int, offsets: Sequence[int], prompt_ids: Sequence[str],
+                   who: str) -> torch.Tensor:
+    """:func:`check_finite` and the row argmax in one pass over ``logits [r, V]`` -> ``[r]``.
+
+    ``max`` returns the first maximal index, as ``argmax`` does, and bf16 -> float32 is exact, so
+    this equals :func:`argmax_vocab` on the same (sliced) logits."""
+    top, arg = logits.max(-1)
+    _raise_if_not_finite(top, row0, offsets, prompt_ids, who)
+    return arg
+
+
+def _raise_if_not_finite(top: torch.Tensor, row0: int, offsets: Sequence[int], prompt_ids: Sequence[str],
+                         who: str) -> None:
     bad = ~torch.isfinite(top)
     if bool(bad.any()):
         r = row0 + int(bad.nonzero()[0, 0])
@@ -131,7 +146,7 @@ def teacher_labels(
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
     V = pair.vocab_size
     if target_logits is not None:
-        t_logits = torch.cat(list(target_logits)) if len(target_logits) else torch.zeros(0, 0)
+        t_logits = RowLogits(target_logits)  # rows read per chunk: no [R, V] copy of every response
     else:
         t_logits = forward_positions(pair.target, prompts, responses, pad).logits
     d_out = forward_positions(pair.draft, prompts, responses, pad, hidden=hidden, keep_cache=keep_draft_cache)
@@ -148,11 +163,10 @@ def teacher_labels(
         e = min(R, s + chunk_rows)
         dl = d_out.logits[s:e]
         tl = t_logits[s:e].to(dev)
-        check_finite(dl[..., :V], s, offsets, prompt_ids, "draft")
-        check_finite(tl[..., :V], s, offsets, prompt_ids, "target")
+        d_arg = checked_argmax(dl[..., :V], s, offsets, prompt_ids, "draft")
+        t_arg = checked_argmax(tl[..., :V], s, offsets, prompt_ids, "target")
         q = logits_to_probs(dl, decoding, vocab_size=V)
         p = logits_to_probs(tl, decoding, vocab_size=V)
-        d_arg = argmax_vocab(dl, V)
         if decoding.greedy:
             # Greedy decoding drafts the argmax and accepts it iff it equals the target's token:
             # the draft token, its acceptance and the verification outcome follow that rule.
@@ -162,7 +176,7 @@ def teacher_labels(
             y = sample_from_uniform(q, u_sample[s:e])
             acc = accept_probability(p, q, y)
         cols["draft_argmax"].append(d_arg)
-        cols["target_top1"].append(argmax_vocab(tl, V))
+        cols["target_top1"].append(t_arg)
         cols["topk"].append(top_k_probs(q, k))
         cols["entropy"].append(entropy(q))
         cols["tv"].append(tv_distance(p, q))

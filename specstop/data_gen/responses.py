@@ -140,12 +140,20 @@ class _CaptureLogits:
     """Logits processor that records the raw next-token logits of every step (runs first, so it
     sees what the model computed, before masking, temperature or top-k/p)."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, max_steps: int):
         self.dtype = dtype
-        self.steps: list[torch.Tensor] = []
+        self.max_steps = max_steps
+        self.buffer: torch.Tensor | None = None  # [B, max_steps, V], written in place step by step
+        self.steps = 0
 
     def __call__(self, input_ids, scores):
-        self.steps.append(scores.to(self.dtype, copy=True))
+        if self.buffer is None:
+            # One allocation for the whole batch: stacking per-step copies at the end would copy
+            # B x steps x V logits a second time.
+            self.buffer = torch.empty((scores.shape[0], self.max_steps, scores.shape[-1]), dtype=self.dtype,
+                                      device=scores.device)
+        self.buffer[:, self.steps].copy_(scores)
+        self.steps += 1
         return scores
 
 
@@ -215,7 +223,7 @@ def generate_responses(
     if sample:
         torch.manual_seed(derive_seed(seed, prompts[0].record.source_index, "target-sample"))
     model_dtype = next(pair.target.parameters()).dtype
-    capture = _CaptureLogits(model_dtype) if capture_logits else None
+    capture = _CaptureLogits(model_dtype, gen.max_new_tokens) if capture_logits else None
     procs = ([capture] if capture else []) + [_SharedVocabMask(pair.vocab_size)]
     with _clean_generation_config(pair.target, gc):
         out = pair.target.generate(
@@ -226,8 +234,8 @@ def generate_responses(
         )
     new = out[:, ids.shape[1] :].tolist()
     eos_set = set(eos)
-    # [steps, B, V] -> per row b the first N_b steps (step t predicted response token t).
-    steps = torch.stack(capture.steps, dim=1) if capture and capture.steps else None
+    # [B, steps, V]: row b's first N_b steps (step t predicted response token t), as views.
+    steps = capture.buffer if capture is not None else None
     responses = []
     for b, row in enumerate(new):
         cut = next((j for j, t in enumerate(row) if t in eos_set), None)
