@@ -110,3 +110,21 @@ def test_row_key_for_policy_finds_rows_by_name_and_spec():
     assert row_key_for_policy(rows, "confidence:0.4") == "confidence_0.4"
     assert row_key_for_policy(rows, "static:3") is None
     assert row_key_for_policy(rows, "specdecpp_resnet") is None
+
+
+def test_calibration_pairs_hidden_scores_with_the_drafted_token():
+    # Hidden heads score the state after a token: on a mismatch row that is the state after the
+    # draft's own token d_m (stored with the rollout), not after the target's X_i.
+    from specstop.eval.episodes import from_arrays
+    from specstop.eval.report import aligned_scores
+
+    gm = np.array([1, 0, 1, 0, 1], bool)
+    d = from_arrays(gm, max_new_tokens=10, eos_token_id=99, token=np.arange(5),
+                    rollouts={1: {"tokens": [7, 8]}, 3: {"tokens": [7]}})
+    row = np.array([0.9, 0.8, 0.7, 0.6, 0.5])
+    d.add_scores("h", "hidden", row, np.zeros(3), np.array([0.1, 0.2]))
+    d.add_scores("q", "dist", row, np.zeros(3), None)
+    np.testing.assert_allclose(aligned_scores(d, "h"), [0.9, 0.1, 0.7, 0.2, 0.5])
+    np.testing.assert_allclose(aligned_scores(d, "q"), row)
+    d.temperature = 1.0
+    assert aligned_scores(d, "h") is None

@@ -148,3 +148,42 @@ def test_pearl_emits_every_token_and_costs():
     m2 = pearl_replay(d2, CostModel(t_draft=0.02, t_target=0.1))
     assert m2["n"] == 30
     assert m2["n_target"] < 30 / 4
+
+
+def test_every_eos_id_ends_a_response():
+    # Qwen2.5 Instruct lists two EOS ids ([151645, 151643]); a response may end with either, and the
+    # draft stops drafting at either. Same hand-built answers as test_oracle_hand_built_and_eos with
+    # the response ending in the second id.
+    eos_ids = [EOS, EOS + 1]
+    gm = [0, 1, 1, 1]
+    d = from_arrays(
+        gm, max_new_tokens=20, eos_token_id=eos_ids, token=[1, 2, 3, EOS + 1], rollouts={0: {"tokens": [4] * 19}}
+    )
+    assert d.eos_token_ids == (EOS, EOS + 1)
+    assert _counts(replay(d, PolicySpec(kind="oracle"))) == (4, 2, 3, 3)
+    for k in (2, 5):
+        spec = PolicySpec(kind="static", k=k)
+        assert _counts(fast_replay(d, spec)) == _counts(replay(d, spec))
+    assert _counts(replay(d, PolicySpec(kind="static", k=5))) == (4, 2, 5 + 3, 3)
+    assert pearl_replay(d, CostModel(t_draft=0.02, t_target=0.1))["n"] == 4
+
+
+def test_manifest_eos_lists_load(tmp_path):
+    # A manifest whose generation.eos_token_id is a list (the target's generation config had several)
+    # used to crash replay with int(list).
+    import json
+
+    from specstop.eval.episodes import eos_tuple, load_replay_data
+    from specstop.testing import SYNTHETIC_EOS, write_synthetic_dataset
+
+    assert eos_tuple([151645, 151643]) == (151643, 151645)
+    assert eos_tuple(7) == (7,) and eos_tuple(None) == ()
+    data = write_synthetic_dataset(tmp_path / "d", {"validation": 2}, tokens_per_prompt=12, with_rollouts=True)
+    man_path = data / "manifest.json"
+    man = json.loads(man_path.read_text())
+    man["generation"]["eos_token_id"] = [SYNTHETIC_EOS, SYNTHETIC_EOS + 1]
+    man_path.write_text(json.dumps(man))
+    d = load_replay_data(data, "validation")
+    assert d.eos_token_ids == (SYNTHETIC_EOS, SYNTHETIC_EOS + 1)
+    spec = PolicySpec(kind="static", k=3)
+    assert _counts(fast_replay(d, spec)) == _counts(replay(d, spec))

@@ -118,6 +118,37 @@ def test_datamodule_tables_batches_and_links(synth_dir):
         dm3.setup("fit")
 
 
+def test_hidden_heads_never_fall_back_to_misaligned_token_rows(tmp_path):
+    # The tokens table holds the state after X_i while its labels describe Y_i: a split without
+    # mixed rows must be an error for hidden-state heads, not a silent fallback (it used to be).
+    import json
+
+    from specstop.errors import UserError
+    from specstop.models import build_predictor
+    from specstop.testing import write_synthetic_dataset
+    from specstop.train.data import PredictorDataModule
+
+    d = write_synthetic_dataset(tmp_path / "d", {"train": 4, "validation": 2}, tokens_per_prompt=16,
+                                hidden_size=16, with_mixed=True)
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["splits"]["validation"]["mixed"] > 0
+    spec = build_predictor("specdecpp_resnet", hidden_size=16, depth=1).feature_spec
+    d2 = write_synthetic_dataset(tmp_path / "d2", {"train": 4, "validation": 2}, tokens_per_prompt=16,
+                                 hidden_size=16, with_mixed=False)
+    dm = PredictorDataModule(str(d2), batch_size=64)
+    dm.configure(spec, "accept_prob")
+    with pytest.raises(UserError, match="no token-mixing rows.*labels.mixing.splits"):
+        dm.setup("fit")
+    dm = PredictorDataModule(str(d), batch_size=64)
+    dm.configure(spec, "greedy_match")  # a tokens-only label for a hidden head: also refused
+    with pytest.raises(UserError, match="not in the mixed table"):
+        dm.setup("fit")
+    explicit = PredictorDataModule(str(d2), batch_size=64, table="tokens")  # asked for: obeyed
+    explicit.configure(spec, "accept_prob")
+    explicit.setup("fit")
+    assert explicit.splits["validation"].table == "tokens"
+
+
 def test_datamodule_rejects_prompt_in_two_splits(tmp_path):
     from specstop.data_gen.storage import load_table, write_shard
     from specstop.models import build_predictor

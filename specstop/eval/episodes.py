@@ -19,6 +19,7 @@ stores per-token scores.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,9 @@ class ReplayData:
     """A split ready for replay. Shapes: P prompts, T token rows, R rollouts, RS rollout steps.
 
     Attributes:
-        prompt_ids: [P] object. offsets: [P+1] int64 row offsets. max_new_tokens, eos_token_id: ints.
+        prompt_ids: [P] object. offsets: [P+1] int64 row offsets. max_new_tokens: int.
+        eos_token_ids: every id that ends a response (the target's generation config may list several,
+            e.g. Qwen2.5 Instruct's [151645, 151643]); rollouts and decoding stop on any of them.
         greedy_match: [T] bool. token, draft_argmax: [T] int64. top1: [T] float64 (topk[:, 0]).
         accept_prob, accept_expected, tv: [T] float64 (sampling replay and reports).
         verified: [T] bool or None (the recorded Bernoulli acceptance, sampled data).
@@ -58,7 +61,7 @@ class ReplayData:
     prompt_ids: np.ndarray
     offsets: np.ndarray
     max_new_tokens: int
-    eos_token_id: int
+    eos_token_ids: tuple[int, ...]
     greedy_match: np.ndarray
     token: np.ndarray
     draft_argmax: np.ndarray
@@ -77,6 +80,13 @@ class ReplayData:
     score_reads: dict = field(default_factory=dict)
     temperature: float = 0.0
     source: str = ""
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = eos_tuple(self.eos_token_ids)
+
+    def is_eos(self, tokens) -> np.ndarray:
+        """Element-wise: is the token any of the EOS ids. ``[...] -> [...] bool``."""
+        return np.isin(np.asarray(tokens), self.eos_token_ids)
 
     @property
     def num_prompts(self) -> int:
@@ -139,7 +149,7 @@ class ReplayData:
             prompt_ids=self.prompt_ids[prompts],
             offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
             max_new_tokens=self.max_new_tokens,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             greedy_match=self.greedy_match[rows],
             token=self.token[rows],
             draft_argmax=self.draft_argmax[rows],
@@ -163,6 +173,16 @@ class ReplayData:
         return out
 
 
+def eos_tuple(eos) -> tuple[int, ...]:
+    """EOS ids as a sorted tuple: one id, a list (manifests write a list when the target's generation
+    config has several), or None (no EOS: nothing ends a response early)."""
+    if eos is None:
+        return ()
+    if isinstance(eos, (int, np.integer)):
+        return (int(eos),)
+    return tuple(sorted({int(e) for e in eos}))
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -179,7 +199,7 @@ def from_arrays(
     *,
     lengths=None,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     token=None,
     draft_argmax=None,
     top1=None,
@@ -207,7 +227,7 @@ def from_arrays(
     token = np.asarray(token if token is not None else np.zeros(t), dtype=np.int64)
     if draft_argmax is None:
         draft_argmax = np.where(gm, token, token + 1)
-        draft_argmax = np.where(~gm & (draft_argmax == eos_token_id), token + 2, draft_argmax)
+        draft_argmax = np.where(~gm & np.isin(draft_argmax, eos_tuple(eos_token_id)), token + 2, draft_argmax)
     top1 = np.asarray(top1 if top1 is not None else np.full(t, 0.5), dtype=np.float64)
     acc = np.asarray(
         accept_expected if accept_expected is not None else gm.astype(np.float64), dtype=np.float64
@@ -228,7 +248,7 @@ def from_arrays(
         prompt_ids=np.asarray([f"p{i}" for i in range(len(lengths))], dtype=object),
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         max_new_tokens=int(max_new_tokens),
-        eos_token_id=int(eos_token_id),
+        eos_token_ids=eos_tuple(eos_token_id),
         greedy_match=gm,
         token=token,
         draft_argmax=np.asarray(draft_argmax, dtype=np.int64),
@@ -285,7 +305,7 @@ def load_replay_data(data_dir: str | Path, split: str, *, need_rollouts: bool | 
         prompt_ids=pid_names,
         offsets=offsets,
         max_new_tokens=int(gen["max_new_tokens"]),
-        eos_token_id=int(gen["eos_token_id"]) if gen.get("eos_token_id") is not None else -1,
+        eos_token_ids=eos_tuple(gen.get("eos_token_id")),
         greedy_match=gm,
         token=tok["token"][order].astype(np.int64),
         draft_argmax=tok["draft_argmax"][order].astype(np.int64),

@@ -49,7 +49,7 @@ def k_of_start(data: ReplayData, spec: PolicySpec, cap: int | None = None) -> np
     cm = int(c.max(initial=0))
     if cm == 0:
         return out
-    eos_row = data.token == data.eos_token_id
+    eos_row = data.is_eos(data.token)
     values, reads, rule = None, "dist", "below"
     if spec.kind == "confidence":
         values, rule = data.top1, spec.rule
@@ -116,7 +116,7 @@ def mc_replay(
     alive = s < end
     s, end, lanes_p, rep, sched = s[alive], end[alive], lanes_p[alive], rep[alive], sched[alive]
     acc_p = data.accept_expected
-    eos_row = data.token == data.eos_token_id
+    eos_row = data.is_eos(data.token)
     while len(s):
         pos = s - data.offsets[lanes_p]
         if heuristic:

@@ -53,7 +53,6 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
     """Replay PEARL's timing model on every prompt; returns report metrics (latency per token etc.)."""
     g0 = gamma or pearl_gamma(cost)
     run = match_runs(data)
-    eos = data.eos_token_id
     total_time = 0.0
     phases = drafted = accepted = emitted_all = 0
     td = cost.draft_step + cost.predictor_per_step * 0  # PEARL has no stopping predictor
@@ -66,7 +65,7 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
 
     for p in range(data.num_prompts):
         o, n_tok = int(data.offsets[p]), int(data.offsets[p + 1] - data.offsets[p])
-        ends_eos = n_tok > 0 and data.token[o + n_tok - 1] == eos
+        ends_eos = n_tok > 0 and bool(data.is_eos(data.token[o + n_tok - 1]))
         s, mode, g = 0, "pre", 0
         while s < n_tok:
             rem = data.max_new_tokens - s

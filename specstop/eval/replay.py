@@ -172,7 +172,7 @@ def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTr
     """Step-by-step replay of prompt ``p`` (see module docstring for the exact rules)."""
     o = int(data.offsets[p])
     n_tok = int(data.offsets[p + 1]) - o
-    eos = data.eos_token_id
+    eos = set(data.eos_token_ids)
     gm, tok, dam = data.greedy_match, data.token, data.draft_argmax
     key = score_key(spec)
     reads = spec.reads if key is None else data.score_reads.get(key, spec.reads)
@@ -194,9 +194,9 @@ def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTr
             k = 0
             while k < cap and s + k < n_tok and gm[o + s + k]:
                 k += 1
-                if tok[o + s + k - 1] == eos:
+                if tok[o + s + k - 1] in eos:
                     break
-            eos_acc = k > 0 and tok[o + s + k - 1] == eos
+            eos_acc = k > 0 and tok[o + s + k - 1] in eos
             emitted = k if eos_acc else k + 1
             _emit(out, trace, p, s, k, k, emitted)
             s += emitted
@@ -241,10 +241,10 @@ def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTr
             stop = policy.should_stop(StepFeatures(j=j, position=pos, top1=float(top1), score=score))
             prev_hidden_score = hid_sc
             k = j
-            if stop or y == eos:
+            if stop or y in eos:
                 break
         n_acc = k if m is None else m - (o + s)
-        eos_acc = m is None and tok[o + s + k - 1] == eos
+        eos_acc = m is None and tok[o + s + k - 1] in eos
         emitted = n_acc if eos_acc else n_acc + 1
         policy.end_round(k, n_acc)
         _emit(out, trace, p, s, k, n_acc, emitted)

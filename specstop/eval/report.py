@@ -50,6 +50,29 @@ COLUMNS = (
 )
 
 
+def aligned_scores(data, key: str) -> np.ndarray | None:
+    """``[T]`` scores of predictor ``key`` paired with the label of the drafted token at each row.
+
+    Distribution predictors score row i's own q_i: aligned as stored. Hidden-state predictors score
+    the state *after* a token: a matched row's stored score (state after X_i = after the drafted
+    token) is aligned, a mismatched row needs the state after the draft's own token d_m, which the
+    rollouts store (``mismatch_scores``); rows without one are NaN. Sampled data has neither, so
+    hidden predictors get None (no aligned pairs).
+    """
+    row = np.asarray(data.row_scores[key], dtype=np.float64)
+    if data.score_reads.get(key, "dist") != "hidden":
+        return row
+    if data.temperature > 0:
+        return None
+    out = row.copy()
+    mm = ~data.greedy_match
+    rid = data.rollout_of_row[mm]
+    mm_scores = np.full(len(rid), np.nan)
+    has = rid >= 0
+    mm_scores[has] = data.mismatch_scores[key][rid[has]]
+    out[mm] = mm_scores
+    return out
+
 def build_report(
     data: ReplayData,
     tuned: dict,
@@ -188,11 +211,18 @@ def build_report(
             for p in static_pts
         ]
     label = data.accept_expected if sampled else data.greedy_match.astype(float)
-    cal = {
-        name: plots.calibration_bins(data.row_scores[name], label)
-        for name in predictors
-        if name in data.row_scores
-    }
+    cal = {}
+    for name in predictors:
+        if name not in data.row_scores:
+            continue
+        score = aligned_scores(data, name)
+        if score is None:
+            extras.setdefault("calibration_skipped", {})[name] = (
+                "hidden-state scores of sampled data: the tokens rows hold the state after X_i, not after the "
+                "draft token the label describes")
+            continue
+        ok = np.isfinite(score)
+        cal[name] = plots.calibration_bins(score[ok], label[ok])
     if cal:
         figures["calibration"] = plots.calibration_plot(
             out_dir / "calibration.png", cal, "1 - TV" if sampled else "greedy match"

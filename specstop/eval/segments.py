@@ -110,7 +110,7 @@ def build_layout(data: ReplayData) -> SlotLayout:
     pos[slot_of_row] = rows - data.offsets[prompt_of_row]
     eos = np.zeros(s_total, dtype=bool)
     drafted_tok = np.where(gm, data.token, data.draft_argmax)
-    eos[slot_of_row] = drafted_tok == data.eos_token_id
+    eos[slot_of_row] = data.is_eos(drafted_tok)
     top1 = np.empty(s_total, dtype=np.float64)
     top1[slot_of_row] = data.top1
     mm = np.zeros(s_total, dtype=bool)
@@ -122,7 +122,7 @@ def build_layout(data: ReplayData) -> SlotLayout:
     t_in = np.arange(len(r_slots)) - np.repeat(np.cumsum(lr[has_r]) - lr[has_r], lr[has_r]) + 1
     rstep[r_slots] = r_steps
     pos[r_slots] = np.repeat(pos[slot_of_row[ends[has_r]]], lr[has_r]) + t_in
-    eos[r_slots] = data.r_tokens[r_steps] == data.eos_token_id
+    eos[r_slots] = data.is_eos(data.r_tokens[r_steps])
     top1[r_slots] = data.r_top1[r_steps]
     seg_start = seg_slot0
     seg_last = seg_slot0 + lt - 1

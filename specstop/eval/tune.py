@@ -220,7 +220,7 @@ def max_sl_supported(data: ReplayData) -> int | None:
     lens = np.diff(data.r_offsets)[r]
     ends_eos = np.zeros(len(r), dtype=bool)
     has = lens > 0
-    ends_eos[has] = data.r_tokens[data.r_offsets[r[has]] + lens[has] - 1] == data.eos_token_id
+    ends_eos[has] = data.is_eos(data.r_tokens[data.r_offsets[r[has]] + lens[has] - 1])
     prompt = np.searchsorted(data.offsets, mm, side="right") - 1
     pos = mm - data.offsets[prompt]
     # Truncated at max_new_tokens - 2 or ended by EOS: long enough for any SL_max.

@@ -134,10 +134,10 @@ class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
 
     Args:
         data_dir: the folder ``specstop generate`` wrote (``manifest.json`` + ``shards/``).
-        table: ``"tokens"``, ``"mixed"`` or ``"auto"``: hidden-state predictors read the token
-            mixing rows of a split when it has them and the label exists there (SpecDec++, MCSD
-            hidden), otherwise the teacher-forced ``tokens`` rows; distribution predictors (DISCO,
-            MCSD top-k) always read ``tokens``.
+        table: ``"tokens"``, ``"mixed"`` or ``"auto"``: hidden-state predictors (SpecDec++, MCSD
+            hidden) read the token mixing rows, and ``auto`` raises when a split has none (the
+            tokens table pairs the state after X_i with labels of Y_i); distribution predictors
+            (DISCO, MCSD top-k) always read ``tokens``. An explicit ``tokens`` is obeyed.
         label: label column; None takes the model's (``PredictorModule.label``). Setting both to
             different values is an error.
         batch_size: rows per training batch (rows are tiny: use thousands).
@@ -204,9 +204,22 @@ class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
         if self.table != "auto":
             return self.table
         assert self.spec is not None
-        if self.spec.reads_hidden and self.split_rows(split).get("mixed", 0) > 0 and self.label in MIXED_LABELS:
+        if not self.spec.reads_hidden:
+            return "tokens"
+        if self.split_rows(split).get("mixed", 0) > 0 and self.label in MIXED_LABELS:
             return "mixed"
-        return "tokens"
+        # The tokens table holds the draft's state after the *target's* token X_i, while every label
+        # there describes the *draft's* token Y_i (and 1 - TV the next position's q): a hidden-state
+        # head trained or scored on it learns from misaligned pairs. Never fall back silently.
+        why = (f"label {self.label!r} is not in the mixed table (use one of {MIXED_LABELS})"
+               if self.label not in MIXED_LABELS else f"split {split!r} has no token-mixing rows")
+        raise UserError(
+            f"{self.data_dir}: {why}. Hidden-state predictors read the draft's state after the draft token Y_i, "
+            "which only the mixed table holds (the tokens table has the state after the target's token X_i, "
+            f"misaligned with its labels). Regenerate with labels.mixing.splits including {split!r}, train "
+            "with online mixing (configs/train/specdecpp_online_mixing.yaml), or set data.table: tokens to "
+            "accept the misaligned pairs explicitly"
+        )
 
     # -- loading ------------------------------------------------------------------------------
 
