@@ -150,9 +150,9 @@ class Server:
             time.sleep(1.0)
         raise SystemExit(f"llama-server did not become ready in {timeout:.0f} s; see {self.log.name}")
 
-    def complete(self, prompt: list[int], n_predict: int, timeout: float) -> dict:
+    def complete(self, prompt: list[int], n_predict: int, timeout: float, *, cache_prompt: bool = False) -> dict:
         body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 0,
-                           "cache_prompt": False, "stream": False}).encode()
+                           "cache_prompt": cache_prompt, "stream": False}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
                                      headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -169,6 +169,63 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+def calibrate_llamacpp(binary: str, draft: Path, target: Path, prompts: list[list[int]], *, threads: int, ctx: int,
+                       nice: int, log_dir: Path, k_grid: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16),
+                       decode_tokens: int = 32, repeats: int = 3, timeout: float = 600.0) -> dict:
+    """llama.cpp's own step costs on this machine, as a specstop cost model (``specstop tune --cost-model``).
+
+    * ``t_draft``: the draft GGUF decoding alone (``predicted_ms / predicted_n``), i.e. one draft step;
+    * ``t_target(0)``: the target decoding alone, per token;
+    * ``t_target(K)``, K >= 1: the target evaluating K + 1 new tokens after a cached prefix, which is what
+      a verification pass is (llama.cpp's ``cache_prompt`` reuses the prefix, so ``prompt_n = K + 1``).
+
+    Each figure is the median over ``repeats`` x prompts, the configurations interleaved.
+    """
+    srv_t = Server(binary, target, None, [], threads, ctx, nice, log_dir, "calibrate-target")
+    srv_d = Server(binary, draft, None, [], threads, ctx, nice, log_dir, "calibrate-draft")
+    per_k: dict[int, list[float]] = {k: [] for k in k_grid}
+    draft_step: list[float] = []
+    try:
+        srv_t.wait_ready(600)
+        srv_d.wait_ready(600)
+        for s in (srv_t, srv_d):
+            s.complete(prompts[0], 8, timeout)
+        for _ in range(repeats):
+            for prompt in prompts:
+                r = srv_d.complete(prompt, decode_tokens, timeout)
+                t = r["timings"]
+                draft_step.append(t["predicted_ms"] / 1000.0 / max(t["predicted_n"], 1))
+                r = srv_t.complete(prompt, decode_tokens, timeout)
+                t = r["timings"]
+                if 0 in per_k:
+                    per_k[0].append(t["predicted_ms"] / 1000.0 / max(t["predicted_n"], 1))
+                # Verification blocks: the prompt cached, then K + 1 more tokens evaluated in one batch
+                # (which tokens does not matter for the time; the prompt's own tail is used).
+                for k in (k for k in k_grid if k > 0):
+                    srv_t.complete(prompt, 1, timeout, cache_prompt=True)
+                    block = (prompt[-(k + 1):] * (k + 1))[: k + 1]
+                    r2 = srv_t.complete(prompt + block, 1, timeout, cache_prompt=True)
+                    t2 = r2["timings"]
+                    if int(t2.get("prompt_n") or 0) == k + 1:
+                        per_k[k].append(t2["prompt_ms"] / 1000.0)
+    finally:
+        srv_t.stop()
+        srv_d.stop()
+    table = {k: statistics.median(v) for k, v in per_k.items() if v}
+    missing = [k for k, v in per_k.items() if not v]
+    if missing:
+        print(f"warning: no cached-prefix measurement for K = {missing} (prompt cache not reused?)", file=sys.stderr)
+    t_d = statistics.median(draft_step)
+    return {
+        "t_draft": t_d, "t_target": table.get(1, table[0]), "t_target_single": table[0],
+        "target_by_k": {str(k): v for k, v in table.items()}, "provenance": "measured",
+        "name": "llama.cpp", "machine": {"engine": "llama.cpp", "server": binary, "device": "cpu",
+                                          "dtype": "GGUF Q4_K_M", "threads": threads,
+                                          "draft_gguf": draft.name, "target_gguf": target.name},
+        "fit": {"samples_per_k": {str(k): len(v) for k, v in per_k.items()}, "draft_samples": len(draft_step)},
+    }
 
 
 def summarize(samples: dict[str, list[dict]]) -> dict:
@@ -201,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-scheme", default="mbpp", help="with --prompts: the split scheme")
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of the split")
-    ap.add_argument("--settings", required=True, help="llamacpp.json written by `specstop export --for llamacpp`")
+    ap.add_argument("--settings", help="llamacpp.json written by `specstop export --for llamacpp`")
+    ap.add_argument("--calibrate-out", default=None,
+                    help="instead of the benchmark: measure llama.cpp's draft step and t_target(K) on these prompts and "
+                    "write them as a specstop cost model (then: specstop tune --cost-model FILE; specstop export --for "
+                    "llamacpp)")
     ap.add_argument("--option", default=None, help="settings option to run as 'tuned' (default: its recommended one)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b-1.5b")
     ap.add_argument("--gguf-dir", default=os.environ.get("SPECSTOP_GGUF_DIR", "gguf"),
@@ -223,15 +284,25 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     binary = find_server(args.server)
     draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
-    tuned_name, flags, tuned_meta = tuned_flags(Path(args.settings), args.option)
     if args.data:
         prompts = held_out_prompts(Path(args.data), args.split, args.limit)
     else:
         prompts = rendered_prompts(args.prompts, args.template, args.split_scheme, args.split, args.pair, args.limit)
     if not prompts:
         raise SystemExit(f"split {args.split!r} of {args.data or args.prompts} has no prompts")
-    log_dir = Path(args.out).parent if args.out else Path(".")
+    log_dir = Path(args.out or args.calibrate_out or "x").parent
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.calibrate_out:
+        cost = calibrate_llamacpp(binary, draft, target, prompts, threads=args.threads, ctx=args.ctx, nice=args.nice,
+                                  log_dir=log_dir, repeats=args.repeats, timeout=args.timeout)
+        Path(args.calibrate_out).write_text(json.dumps(cost, indent=2) + "\n")
+        ks = " / ".join(f"{float(v):.4f}" for v in cost["target_by_k"].values())
+        print(f"llama.cpp costs: t_draft {cost['t_draft']:.4f} s; t_target(K) at K = {', '.join(cost['target_by_k'])}: "
+              f"{ks} s -> {args.calibrate_out}")
+        return 0
+    if not args.settings:
+        raise SystemExit("--settings is required (a llamacpp.json from `specstop export --for llamacpp`)")
+    tuned_name, flags, tuned_meta = tuned_flags(Path(args.settings), args.option)
     spec = {"target": (None, []), "default": (draft, args.default_flags.split()), "tuned": (draft, flags)}
     servers = {}
     try:

@@ -68,7 +68,8 @@ def _synthetic_round(family, **config):
 
 @pytest.mark.parametrize(
     "family,config",
-    [("disco_ffn", {}), ("mcsd_topk_mlp", {}), ("specdecpp_resnet", {"hidden_size": 32, "depth": 1}), ("mcsd_hidden_mlp", {"hidden_size": 32})],
+    [("disco_ffn", {}), ("mcsd_topk_mlp", {}), ("specdecpp_resnet", {"hidden_size": 32, "depth": 1}),
+     ("mcsd_hidden_mlp", {"hidden_size": 32}), ("disco_ffn", {"with_state": True, "hidden_size": 32})],
 )
 def test_runtime_decisions_equal_training_module(family, config, tmp_path):
     model, spec = _synthetic_round(family, **config)
@@ -91,11 +92,12 @@ def test_runtime_decisions_equal_training_module(family, config, tmp_path):
                     score = None if j == 1 else float(torch.sigmoid(model(hidden.unsqueeze(0)))[0])
             else:
                 probs = logits_to_probs(logits, DecodingConfig())
-                x = fs.build_from_probs(probs.unsqueeze(0), torch.tensor([pos]))
+                state = hidden.unsqueeze(0) if fs.reads_state else None  # the state that produced q_j
+                x = fs.build_from_probs(probs.unsqueeze(0), torch.tensor([pos]), state)
                 with torch.no_grad():
                     score = float(torch.sigmoid(model(x))[0])
             want = ref.should_stop(StepFeatures(j=j, position=pos, score=score))
-            got = policy.should_stop(logits, hidden if j > 1 else None, position=pos)
+            got = policy.should_stop(logits, hidden, position=pos)
             assert got == want, (family, j)
             if want:
                 break

@@ -27,6 +27,7 @@ from specstop.testing import tiny_pair
 from tests._data_gen_helpers import make_render, records
 
 MAX_NEW = 24
+_DATA_DIR: dict = {}  # the module fixture's dataset folder
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +45,29 @@ def setup(tmp_path_factory):
     cfg.prompts_per_shard = 3
     recs = records(6, splits=("test",))
     generate_dataset(pair, recs, cfg, out, render=make_render(pair.tokenizer), progress=False)
+    _DATA_DIR["path"] = out
     data = load_replay_data(out, "test")
     torch.manual_seed(0)
     disco = build_predictor("disco_ffn").eval()
     spp = build_predictor("specdecpp_resnet", hidden_size=pair.draft_identity.hidden_size, depth=1).eval()
+    # A DISCO head that also reads the state that produced q_j (with_state): scored on the previous
+    # row's / rollout step's / mismatch's stored state in replay, on the live forward's in decoding.
+    state = build_predictor("disco_ffn", with_state=True, hidden_size=pair.draft_identity.hidden_size).eval()
+    with torch.no_grad():  # make the state part matter as much as the distribution part
+        state.net[0].weight[:, -pair.draft_identity.hidden_size:] *= 20.0
     score_split(data, out, "test", "disco_ffn", disco)
     score_split(data, out, "test", "specdecpp_resnet", spp)
+    score_split(data, out, "test", "disco_state", state)
     seqs = load_table(out, "sequences", "test")
     prompt_ids = {r["prompt_id"]: list(r["prompt_ids"]) for r in seqs}
-    return pair, data, prompt_ids, {"disco_ffn": disco, "specdecpp_resnet": spp}
+    return pair, data, prompt_ids, {"disco_ffn": disco, "specdecpp_resnet": spp, "disco_state": state}
 
 
 def _policies(data, predictors):
     # Thresholds at score quantiles so that learned policies really vary their round lengths.
     d = np.quantile(data.row_scores["disco_ffn"], 0.3)
     s = np.quantile(data.row_scores["specdecpp_resnet"], 0.5)
+    w = np.quantile(data.row_scores["disco_state"], 0.3)
     return [
         PolicySpec(kind="static", k=1),
         PolicySpec(kind="static", k=3),
@@ -71,6 +80,8 @@ def _policies(data, predictors):
         PolicySpec(
             kind="predictor", family="specdecpp_resnet", rule="cumprod", threshold=float(1 - s), sl_max=10, reads="hidden"
         ),
+        PolicySpec(kind="predictor", family="disco_ffn", rule="below", threshold=float(w), sl_max=8, reads="dist",
+                   extra={"scores": "disco_state"}),
     ]
 
 
@@ -78,7 +89,7 @@ def test_decoder_counts_equal_replay(setup):
     pair, data, prompt_ids, predictors = setup
     checked = 0
     for spec in _policies(data, predictors):
-        predictor = predictors.get(spec.family) if spec.kind == "predictor" else None
+        predictor = predictors.get(spec.extra.get("scores", spec.family)) if spec.kind == "predictor" else None
         for p in range(data.num_prompts):
             trace = ReplayTrace()
             counts = replay_prompt(data, p, spec, trace=trace)
@@ -108,3 +119,22 @@ def test_policies_exercise_varied_rounds(setup):
             discarded += replay_prompt(data, p, spec, trace=trace).discarded
         assert len(set(trace.k)) >= 2, spec.label
         assert discarded > 0, spec.label
+
+
+def test_state_head_reads_the_producing_state(setup):
+    """The with_state head's scores depend on the state (else the equality above is vacuous for it),
+    except at position 0, where the state is zeroed in replay as in decoding."""
+    import copy
+
+    _pair, data, _ids, predictors = setup
+    state = predictors["disco_state"]
+    blind = copy.deepcopy(state)
+    with torch.no_grad():
+        blind.net[0].weight[:, -state.feature_spec.hidden_size:] = 0.0
+    scores = data.row_scores["disco_state"]
+    score_split(data, _DATA_DIR["path"], "test", "disco_blind", blind)
+    diff = np.abs(scores - data.row_scores["disco_blind"])
+    pos0 = data.offsets[:-1]
+    later = np.setdiff1d(np.arange(data.num_tokens), pos0)
+    assert diff[pos0].max() < 1e-6
+    assert diff[later].max() > 0.1

@@ -245,3 +245,30 @@ def test_online_mixing_runs_an_epoch(tmp_path, tiny_pair_dir):
     assert state and not any(k.startswith("draft.") for k in state)  # the frozen draft is not saved
     predictor, meta = load_predictor(ckpt)
     assert meta["online_mixing"]["draft"].endswith("draft")
+
+
+def test_state_features_are_the_previous_rows_hidden_state(tmp_path):
+    # A dist head with_state reads, for token row i, the state that produced q_i: the stored hidden
+    # state of row i - 1 of the same response (after X_{i-1}); zeros at position 0.
+    from specstop.data_gen.storage import load_arrays
+    from specstop.models import build_predictor
+    from specstop.testing import write_synthetic_dataset
+    from specstop.train.data import PredictorDataModule
+
+    d = write_synthetic_dataset(tmp_path / "d", {"train": 3, "validation": 2}, tokens_per_prompt=10, hidden_size=16)
+    pred = build_predictor("disco_ffn", with_state=True, hidden_size=16)
+    assert pred.feature_spec.input_dim == 10 + 1 + 1 + 16
+    dm = PredictorDataModule(str(d), batch_size=8)
+    dm.configure(pred.feature_spec, "greedy_match")
+    dm.setup("fit")
+    sd = dm.splits["train"]
+    x = sd.features(pred.feature_spec, torch.arange(len(sd)))
+    raw = load_arrays(d, "tokens", "train", columns=["hidden", "position", "topk"])
+    hid = torch.from_numpy(raw["hidden"].astype(np.float32))
+    pos = raw["position"]
+    assert (pos == sd.positions).all()
+    for r in range(len(sd)):
+        want = torch.zeros(16) if pos[r] == 0 else hid[r - 1]
+        torch.testing.assert_close(x[r, -16:], want)
+    torch.testing.assert_close(x[:, :10], torch.from_numpy(raw["topk"][:, :10]).float())
+    assert float(pred(x).abs().sum()) > 0

@@ -228,7 +228,7 @@ def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
     ts = []
     for r in range(repeats + 5):
         policy.reset()
-        policy.should_stop(logits, None, position=0)  # j = 1 (hidden heads skip it)
+        policy.should_stop(logits, hidden, position=0)  # j = 1 (hidden heads skip it)
         _sync(dev)
         t0 = time.perf_counter()
         policy.should_stop(logits, hidden, position=1)

@@ -56,16 +56,7 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
     r_order = getattr(data, "_rollout_order", np.zeros(0, dtype=np.int64))
     r_steps = getattr(data, "_rollout_steps", np.zeros(0, dtype=np.int64))
     if spec.kind == "hidden":
-        if not man["labels"].get("hidden_states"):
-            raise UserError(
-                f"predictor {key!r} reads draft hidden states but {data_dir} has none; regenerate with "
-                "hidden states (labels.hidden_states: true) or use a dist predictor"
-            )
-        if int(man["labels"]["hidden_size"]) != spec.hidden_size:
-            raise UserError(
-                f"predictor {key!r} expects hidden size {spec.hidden_size} but {data_dir} stores "
-                f"{man['labels']['hidden_size']}: it was trained on another draft model"
-            )
+        _check_hidden(man, data_dir, key, spec)
         tok = load_arrays(data_dir, "tokens", split, columns=["hidden"])
         row = predict(predictor, spec.build(hidden=torch.from_numpy(tok["hidden"][order])))
         rollout = mismatch = None
@@ -78,16 +69,30 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
         data.add_scores(key, "hidden", row, rollout, mismatch)
         return
     k = spec.k
-    tok = load_arrays(data_dir, "tokens", split, columns=["topk", "entropy", "position"])
+    if spec.reads_state:
+        _check_hidden(man, data_dir, key, spec)
+    tok = load_arrays(data_dir, "tokens", split,
+                      columns=["topk", "entropy", "position"] + (["hidden"] if spec.reads_state else []))
+    pos = tok["position"][order].astype(np.int64)
+    state = None
+    if spec.reads_state:
+        # The state that produced q_i is the one after X_{i-1}: the previous row (rows are in
+        # (prompt, position) order here); position 0 gets zeros (FeatureSpec.with_state).
+        hid = tok["hidden"][order]
+        state = np.zeros_like(hid)
+        state[1:] = hid[:-1]
+        state = torch.from_numpy(state)
     x = spec.build(
         topk=torch.from_numpy(tok["topk"][order]),
         entropy=torch.from_numpy(tok["entropy"][order]),
-        position=torch.from_numpy(tok["position"][order].astype(np.int64)),
+        position=torch.from_numpy(pos),
+        hidden=state,
     )
     row = predict(predictor, x)
     rollout = None
     if len(r_order):
-        roll = load_arrays(data_dir, "rollouts", split, columns=["topk", "entropy", "position"])
+        roll = load_arrays(data_dir, "rollouts", split, columns=["topk", "entropy", "position"] + (
+            ["hidden", "mismatch_hidden"] if spec.reads_state else []))
         topk_flat, _ = roll["topk"]
         ent_flat, ent_off = roll["entropy"]
         width = int(man["labels"]["topk_k"])
@@ -98,13 +103,39 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
         step_pos = np.repeat(roll["position"].astype(np.int64), lens) + (
             np.arange(len(ent_flat)) - np.repeat(ent_off[:-1], lens) + 1
         )
+        r_state = None
+        if spec.reads_state:
+            # Step 1 of a rollout was drawn from q after d_m (state: mismatch_hidden); step t > 1
+            # from q after rollout token t - 1 (that step's stored hidden).
+            h_flat = roll["hidden"][0].reshape(-1, spec.hidden_size)
+            first = np.zeros(len(ent_flat), dtype=bool)
+            first[ent_off[:-1][lens > 0]] = True
+            owner = np.repeat(np.arange(len(lens)), lens)
+            st = np.empty_like(h_flat)
+            st[~first] = h_flat[np.flatnonzero(~first) - 1]
+            st[first] = roll["mismatch_hidden"][owner[first]]
+            r_state = torch.from_numpy(st[r_steps])
         x = spec.build(
             topk=torch.from_numpy(topk[:, :k] if topk.shape[1] >= k else topk),
             entropy=torch.from_numpy(ent),
             position=torch.from_numpy(step_pos[r_steps]),
+            hidden=r_state,
         )
         rollout = predict(predictor, x)
     data.add_scores(key, "dist", row, rollout, None)
+
+
+def _check_hidden(man: dict, data_dir, key: str, spec) -> None:
+    if not man["labels"].get("hidden_states"):
+        raise UserError(
+            f"predictor {key!r} reads draft hidden states but {data_dir} has none; regenerate with "
+            "hidden states (labels.hidden_states: true) or use a dist predictor"
+        )
+    if int(man["labels"]["hidden_size"]) != spec.hidden_size:
+        raise UserError(
+            f"predictor {key!r} expects hidden size {spec.hidden_size} but {data_dir} stores "
+            f"{man['labels']['hidden_size']}: it was trained on another draft model"
+        )
 
 
 # Default stopping rule per predictor family (docs/design.md "Policies").

@@ -238,7 +238,7 @@ class SpeculativeDecoder:
             gen = torch.Generator(device=draft.device)
             gen.manual_seed(0 if seed is None else int(seed))
         need_q = (not greedy) or policy.reads_probs
-        need_hidden = policy.reads_hidden
+        need_hidden = policy.needs_hidden
 
         seq = list(prompt_ids)
         out: list[int] = []
@@ -293,8 +293,9 @@ class SpeculativeDecoder:
                 t0 = timer.add("draft", t0)
                 if greedy and need_q:  # only the policy reads q_j: its cost, not the draft's
                     q = self._probs(logits)
-                # hidden is e_{j-1}: the state after y_{j-1}, from the forward that produced q_j.
-                stop = policy.should_stop(logits, hidden if j > 1 else None, position=s + j - 1, draft_probs=q)
+                # hidden is e_{j-1}: the state after y_{j-1}, from the forward that produced q_j (at
+                # j = 1 after the last emitted token: hidden heads skip it, with_state heads read it).
+                stop = policy.should_stop(logits, hidden, position=s + j - 1, draft_probs=q)
                 t0 = timer.add("predictor", t0)
                 drafted.append(y)
                 if q is not None:

@@ -137,7 +137,8 @@ def _feature_batch(predictor: StoppingPredictor, batch: int, seed: int = 0) -> t
     vocab = max(64, fs.k * 4)
     probs = torch.softmax(torch.randn(batch, vocab, generator=g) * 3.0, dim=-1)
     positions = torch.randint(0, 2048, (batch,), generator=g)
-    return fs.build_from_probs(probs, positions)
+    state = torch.randn(batch, fs.hidden_size, generator=g) * 2.0 if fs.reads_state else None
+    return fs.build_from_probs(probs, positions, state)
 
 
 @torch.no_grad()

@@ -138,7 +138,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         policy = self.policy
         policy.reset()
         response_start = int(getattr(self, "_prompt_len", cur_len))
-        need_hidden = policy.reads_hidden
+        need_hidden = policy.needs_hidden
         drafted: list[int] = []
         scores: list[torch.Tensor] = []
         running = input_ids
@@ -156,7 +156,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
             t1 = time.perf_counter()
             self.timings["draft"] += t1 - t0
             q = logits_to_probs(raw, policy.decoding, policy.vocab_size) if policy.reads_probs else None
-            stop = policy.should_stop(raw, hidden if j > 1 else None, position=cur_len - response_start + j - 1, draft_probs=q)
+            stop = policy.should_stop(raw, hidden, position=cur_len - response_start + j - 1, draft_probs=q)
             self.timings["predictor"] += time.perf_counter() - t1
             drafted.append(y)
             scores.append(proc)

@@ -364,6 +364,16 @@ class StoppingPolicy(
         return self.feature_spec is not None and self.feature_spec.reads_hidden
 
     @property
+    def reads_state(self) -> bool:
+        """True when the decision reads the draft state that produced q_j (dist heads ``with_state``)."""
+        return self.feature_spec is not None and self.feature_spec.reads_state
+
+    @property
+    def needs_hidden(self) -> bool:
+        """True when the decoder must ask the draft forward for its hidden states."""
+        return self.reads_hidden or self.reads_state
+
+    @property
     def reads_probs(self) -> bool:
         """True when the decision needs q_j (confidence, DISCO, MCSD top-k)."""
         return self.spec.kind == "confidence" or (self.feature_spec is not None and not self.feature_spec.reads_hidden)
@@ -396,7 +406,8 @@ class StoppingPolicy(
 
         Args:
             draft_logits: ``[B, V_model]`` logits q_j was made from (dist predictors).
-            draft_hidden: ``[B, H]`` final hidden state after y_{j-1} (hidden predictors).
+            draft_hidden: ``[B, H]`` the draft's final hidden state at the last fed token, i.e. after
+                y_{j-1}: the state that produced q_j (hidden predictors and ``with_state`` heads).
             positions: ``[B]`` 0-based response positions of y_j.
             draft_probs: ``[B, V]`` q_j already transformed (saves a softmax).
 
@@ -412,7 +423,12 @@ class StoppingPolicy(
             x = fs.build(hidden=draft_hidden.to(self.device))
         else:
             probs = self._probs(draft_logits, draft_probs).to(self.device)
-            x = fs.build_from_probs(probs, positions.to(self.device))
+            state = None
+            if fs.reads_state:
+                if draft_hidden is None:
+                    raise ValueError(f"policy {self.label} reads the draft state that produced q_j; draft_hidden is None")
+                state = draft_hidden.to(self.device)
+            x = fs.build_from_probs(probs, positions.to(self.device), state)
         return torch.sigmoid(self.predictor(x.float())).float()
 
     # ------------------------------------------------------------------ batch size 1
@@ -434,8 +450,10 @@ class StoppingPolicy(
 
         Args:
             draft_logits: ``[V_model]`` the logits the current token was drawn from (q_j).
-            draft_hidden: ``[H]`` the draft's final hidden state after the previous drafted token
-                (None at j = 1; read only by hidden-state predictors).
+            draft_hidden: ``[H]`` the draft's final hidden state at the last fed token (after the
+                previous drafted token; at j = 1 after the last emitted one): the state that produced
+                q_j. SpecDec++-style hidden heads score it as token j - 1 (nothing at j = 1); dist heads
+                ``with_state`` read it with q_j at every step. Pass it whenever ``needs_hidden``.
             position: 0-based response position of the current token.
             draft_probs: ``[V]`` q_j after the decoding transform, if the caller has it already.
 

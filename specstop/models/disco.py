@@ -24,12 +24,17 @@ class DiscoConfig:
     hidden_dim: FFN width (paper: unspecified; 64).
     use_position: include the encoded response position (paper: yes).
     position_scale: see FeatureSpec.position_scale.
+    with_state: also read the draft state that produced q_i (FeatureSpec.with_state; not in the
+        paper: a specstop extension, off by default).
+    hidden_size: the draft's hidden width for ``with_state`` (linked from the dataset manifest).
     """
 
     k: int = 10
     hidden_dim: int = 64
     use_position: bool = True
     position_scale: float = 1024.0
+    with_state: bool = False
+    hidden_size: int = 0
 
 
 @register_predictor("disco_ffn")
@@ -46,8 +51,9 @@ class DiscoFFN(StoppingPredictor):
     @property
     def feature_spec(self) -> FeatureSpec:
         c = self.config
-        return FeatureSpec(kind=DIST, k=c.k, use_position=c.use_position, position_scale=c.position_scale)
+        return FeatureSpec(kind=DIST, k=c.k, use_position=c.use_position, position_scale=c.position_scale,
+                           with_state=c.with_state, hidden_size=c.hidden_size if c.with_state else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, k + 1 (+1)]`` -> ``[B]`` logits."""
+        """``[B, k + 1 (+1) (+H)]`` -> ``[B]`` logits."""
         return self.net(x).squeeze(-1)

@@ -11,6 +11,7 @@ and export use.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from specstop.data_gen.verify import verify_dataset
 from specstop.errors import UserError
 from specstop.models.features import FeatureSpec
 from specstop.train.epochs import ShuffleEpochs
-from specstop.train.mapped import MappedRows
+from specstop.train.mapped import MappedRows, PreviousRows, previous_row_index
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ SPLITS = ("train", "validation", "test")
 TOKEN_LABELS = ("accept_prob", "accept_expected", "greedy_match", "verified")
 MIXED_LABELS = ("accept_prob", "accept_expected")
 PREBUILT = "_features"  # SplitData.columns key of features assembled once at load time
+STATE = "_state"  # SplitData.columns key of the producing draft states (dist predictors with_state)
 
 
 @dataclass
@@ -62,7 +64,10 @@ class SplitData:
         """``[n, input_dim]`` float32 features of rows ``index`` (all rows when None)."""
         if PREBUILT in self.columns:
             feats = self.columns[PREBUILT]
-            return feats if index is None else feats[index]
+            feats = feats if index is None else feats[index]
+            if STATE in self.columns:  # the producing states: gathered (mapped) and cast per batch
+                feats = torch.cat([feats, self.columns[STATE][index].float()], dim=-1)
+            return feats
         sel = {
             k: v[index] if isinstance(v, MappedRows) or index is not None else v for k, v in self.columns.items()
         }
@@ -248,22 +253,16 @@ class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
         if self.label not in valid:
             raise UserError(f"label {self.label!r} is not a column of the {table!r} table; choose one of {valid}")
         if self.spec.reads_hidden:
-            if not self.manifest.get("labels", {}).get("hidden_states") or self.hidden_size is None:
-                raise UserError(
-                    f"{self.data_dir} stores no hidden states, which this predictor reads; regenerate the "
-                    "dataset with hidden states enabled, or train with online mixing "
-                    "(configs/train/specdecpp_online_mixing.yaml) which computes them on the fly"
-                )
-            if self.spec.hidden_size != self.hidden_size:
-                raise UserError(
-                    f"predictor hidden_size {self.spec.hidden_size} != dataset hidden_size {self.hidden_size}; "
-                    "leave hidden_size unset in the config (it is linked from the manifest)"
-                )
+            self._check_hidden_states()
             feat_cols = ["hidden"]
         else:
             if self.spec.k > self.k:
                 raise UserError(f"predictor reads top-{self.spec.k} but the dataset stores top-{self.k}; set k <= {self.k}")
             feat_cols = ["topk", "entropy"] + (["position"] if self.spec.use_position else [])
+            if self.spec.reads_state:
+                self._check_hidden_states()
+                if table != "tokens":
+                    raise UserError("with_state predictors read the tokens table (the state before each token)")
         mapped = [c for c in feat_cols if c == "hidden"]
         cols = list(dict.fromkeys([c for c in feat_cols if c not in mapped] + [self.label, "prompt_id", "position", "split"]))
         arr = load_arrays(self.data_dir, table, split, columns=cols)
@@ -291,7 +290,13 @@ class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
         if not self.spec.reads_hidden:
             # Distribution features are k + 2 floats a row: assemble them once, so a batch is a
             # single gather (hidden states stay float16 and are cast per batch to halve memory).
-            columns = {PREBUILT: self.spec.build(**columns)}
+            dist_only = dataclasses.replace(self.spec, with_state=False, hidden_size=0)
+            columns = {PREBUILT: dist_only.build(**columns)}
+            if self.spec.reads_state:
+                pos_all = np.asarray(arr["position"], dtype=np.int64)
+                prev = previous_row_index(arr["prompt_id"], pos_all)
+                hidden = MappedRows(load_column_chunks(self.data_dir, table, split, "hidden"))
+                columns[STATE] = PreviousRows(hidden, prev[keep])
         labels = torch.from_numpy(np.asarray(arr[self.label][keep], dtype=np.float32).copy())
         log.info("%s: %d %s rows, label %s (mean %.3f)", split, len(labels), table, self.label, float(labels.mean()))
         return SplitData(
@@ -301,6 +306,20 @@ class PredictorDataModule(ShuffleEpochs, L.LightningDataModule):
             prompt_ids=arr["prompt_id"][keep],
             positions=arr["position"][keep].astype(np.int64),
         )
+
+    def _check_hidden_states(self) -> None:
+        assert self.spec is not None
+        if not self.manifest.get("labels", {}).get("hidden_states") or self.hidden_size is None:
+            raise UserError(
+                f"{self.data_dir} stores no hidden states, which this predictor reads; regenerate the "
+                "dataset with hidden states enabled, or train with online mixing "
+                "(configs/train/specdecpp_online_mixing.yaml) which computes them on the fly"
+            )
+        if self.spec.hidden_size != self.hidden_size:
+            raise UserError(
+                f"predictor hidden_size {self.spec.hidden_size} != dataset hidden_size {self.hidden_size}; "
+                "leave hidden_size unset in the config (it is linked from the manifest)"
+            )
 
     def check_disjoint_prompts(self) -> None:
         """Fail when one prompt id appears in two splits (data_gen assigns each prompt one split)."""

@@ -61,3 +61,51 @@ class MappedRows:
             sel = which == c
             out[sel] = self.chunks[c][idx[sel] - self.bounds[c]]
         return torch.from_numpy(out)
+
+
+class PreviousRows:
+    """Row ``prev[i]`` of ``rows`` for each row i, zeros where ``prev[i] < 0`` (still memory-mapped).
+
+    The draft state that produced q_i is the tokens table's hidden state of the row before i in
+    the same response (the state after X_{i-1}); at position 0 there is none (zeros).
+
+    Args:
+        rows: the ``[N, W]`` hidden states. prev: ``[N]`` int64 source row per row, -1 for none.
+    """
+
+    def __init__(self, rows: MappedRows, prev: np.ndarray) -> None:
+        self.rows = rows
+        self.prev = np.asarray(prev, dtype=np.int64)
+        self.shape = (len(self.prev), rows.shape[1])
+        self.dtype = rows.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """``[len(index), W]`` rows (fresh tensor) for an index tensor/array, a slice or None (all)."""
+        if index is None or isinstance(index, slice):
+            src = self.prev[index if index is not None else slice(None)]
+        else:
+            src = self.prev[index.cpu().numpy() if isinstance(index, torch.Tensor) else np.asarray(index)]
+        out = torch.zeros((len(src), self.shape[1]), dtype=torch.from_numpy(np.zeros(0, self.dtype)).dtype)
+        has = src >= 0
+        if has.any():
+            out[torch.from_numpy(has)] = self.rows[src[has]]
+        return out
+
+
+def previous_row_index(prompt_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``[N]`` the row holding (same prompt, position - 1) for each row, -1 at position 0.
+
+    Raises:
+        ValueError: a row's predecessor is missing (rows of a response are not consecutive).
+    """
+    positions = np.asarray(positions, dtype=np.int64)
+    idx = np.arange(len(positions), dtype=np.int64)
+    prev = np.where(positions > 0, idx - 1, -1)
+    has = prev >= 0
+    ok = (positions[prev[has]] == positions[has] - 1) & (np.asarray(prompt_ids)[prev[has]] == np.asarray(prompt_ids)[has])
+    if not ok.all():
+        raise ValueError("token rows of a response are not stored consecutively by position; regenerate the dataset")
+    return prev
