@@ -50,4 +50,31 @@ def get_predictor_class(name: str) -> type[StoppingPredictor]:
 def build_predictor(name: str, **config) -> StoppingPredictor:
     """Instantiate family ``name`` from keyword config (see each family's dataclass config)."""
     cls = get_predictor_class(name)
-    return cls(cls.config_cls(**config))
+    return cls(predictor_config(cls.config_cls, config, family=name))
+
+
+def predictor_config(config_cls: type, config: dict, *, family: str):
+    """``config_cls`` from a dict, every value type-checked (one line naming the key otherwise).
+
+    Values given as text on a command line (``--model.init_args.predictor_config.with_state true``
+    arrives as the string ``"true"``) are read as YAML scalars first, so they become the bool or
+    number the field wants instead of a truthy string."""
+    import dataclasses
+    import typing
+
+    import yaml
+
+    from specstop.config_io import dataclass_from_dict
+
+    hints = typing.get_type_hints(config_cls)
+    fixed = {}
+    for key, value in config.items():
+        if isinstance(value, str) and hints.get(key) is not str and key in hints:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+        fixed[key] = value
+    if not dataclasses.is_dataclass(config_cls):  # pragma: no cover - every family has a dataclass
+        return config_cls(**fixed)
+    return dataclass_from_dict(config_cls, fixed, where="predictor_config.", source=f"family {family}")
