@@ -21,7 +21,7 @@ def _args(cfg: Path, data_dir, pair_dir) -> list[str]:
 
 def test_configs_exist():
     names = {p.stem for p in CONFIGS}
-    assert {"disco_ffn", "disco_ffn_hard", "specdecpp_resnet", "mcsd_hidden_mlp", "mcsd_topk_mlp",
+    assert {"disco_ffn", "disco_ffn_hard", "disco_ffn_state", "specdecpp_resnet", "mcsd_hidden_mlp", "mcsd_topk_mlp",
             "specdecpp_online_mixing", "specdecpp_deepspeed"} <= names  # fmt: skip
 
 
@@ -41,7 +41,7 @@ def test_every_config_parses_and_instantiates(cfg, synth_dir, tiny_pair_dir, tmp
     cli = build_cli(_args(cfg, synth_dir, tiny_pair_dir), run=False)
     assert isinstance(cli.model, PredictorModule)
     spec = cli.model.predictor.feature_spec
-    if spec.reads_hidden:  # linked from the manifest / the draft, never written in the YAML
+    if spec.needs_hidden:  # linked from the manifest / the draft, never written in the YAML
         assert spec.hidden_size in (16, 32)
     else:
         assert spec.k == 10
