@@ -126,6 +126,14 @@ def test_static_cache_path_greedy_equal(pair, prompts, references):
     assert res.token_ids == references[1]
 
 
+def test_compiled_static_cache_path_greedy_equal(pair, prompts, references):
+    # The GPU configuration (StaticCache + torch.compile of both forwards) run on the CPU: lossless.
+    # Compiling takes about a minute on 2 cores (one graph per fed length), hence one short prompt.
+    dec = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:2"), compile=True, max_cache_len=128)
+    res = dec.generate(prompts[1], 10)
+    assert res.token_ids == references[1][:10]
+
+
 @torch.no_grad()
 def test_kv_rollback_matches_fresh_forward(pair, prompts):
     dec = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:5"))
