@@ -248,6 +248,13 @@ def write_synthetic_dataset(
                     "accept_prob": accept_prob.astype(np.float32),
                     "verified": verified,
                 }
+                # Sampled-replay columns: p(X) and q(X) with min(1, q/p) = 1 - tv, so the Theorem 1
+                # identity E[1 - c] = TV holds row by row; the residual draw is never X.
+                target_prob = rng.uniform(0.3, 0.9, n_tok)
+                row["target_prob"] = target_prob.astype(np.float32)
+                row["draft_prob"] = (target_prob * acc_exp).astype(np.float32)
+                row["reject_token"] = other.astype(np.int32)
+                row["reject_draft_prob"] = (top1 * rng.uniform(0.05, 1.0, n_tok)).astype(np.float32)
                 hidden = None
                 if hidden_size:
                     hidden = rng.standard_normal((n_tok, hidden_size)) + 3.0 * (c[:, None] * dirs[0] + u[:, None] * dirs[1])

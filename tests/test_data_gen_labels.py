@@ -92,6 +92,15 @@ def test_label_math_matches_brute_force(pair, batch, dec):
                 assert qq[y] > 0 and (cdf[y - 1] if y else 0.0) - 1e-5 <= u_s[i] * cdf[-1] <= cdf[y] + 1e-5
                 assert c["accept_prob"][row] == pytest.approx(min(1.0, pp[y] / qq[y]), rel=1e-4, abs=1e-6)
                 assert c["verified"][row] == (u_v[i] < c["accept_prob"][row])
+            # Sampled replay's inputs: p_i(X_i), q_i(X_i) and the residual draw Y'_i.
+            assert c["target_prob"][row] == pytest.approx(pp[x], rel=1e-4, abs=1e-7)
+            assert c["draft_prob"][row] == pytest.approx(qq[x], rel=1e-4, abs=1e-7)
+            rj = int(c["reject_token"][row])
+            assert c["reject_draft_prob"][row] == pytest.approx(qq[rj], rel=1e-4, abs=1e-7)
+            if dec.greedy:
+                assert rj == int(np.argmax(qq))
+            elif tv > 1e-6:
+                assert qq[rj] > pp[rj]  # only the residual norm(max(q - p, 0)) is drawn from
             np.testing.assert_allclose(c["hidden"][row], h[len(p.ids) + i].numpy(), rtol=2e-3, atol=2e-3)
 
 

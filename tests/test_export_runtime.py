@@ -182,3 +182,23 @@ def test_cli_export_and_strings(tmp_path, pair, capsys):
     h = StoppingPolicy.from_string("heuristic")
     h.end_round(5, 5)
     assert h.cap() == 7
+
+
+def test_confidence_reads_the_drafted_tokens_probability_under_sampling():
+    # HF's assistant_confidence_threshold reads the probability of the token the draft produced; under
+    # sampling that is q_j(y_j), not max q_j (greedy drafts the argmax: the same number).
+    probs = torch.tensor([0.9, 0.05, 0.05])
+    pol = StoppingPolicy.from_string("confidence:0.3")
+    pol.configure(DecodingConfig(temperature=1.0), 3)
+    pol.reset()
+    assert pol.should_stop(None, None, 0, draft_probs=probs, draft_token=1)  # 0.05 < 0.3: stop
+    pol.reset()
+    assert not pol.should_stop(None, None, 0, draft_probs=probs, draft_token=0)
+    pol.configure(DecodingConfig(), 3)  # greedy: the maximum
+    pol.reset()
+    assert not pol.should_stop(None, None, 0, draft_probs=probs, draft_token=1)
+    batch = StoppingPolicy.from_string("confidence:0.3")
+    batch.configure(DecodingConfig(temperature=1.0), 3)
+    batch.reset_batch(batch_size=2)
+    out = batch.should_stop_batch(None, None, [0, 0], draft_probs=probs.repeat(2, 1), draft_tokens=[1, 0])
+    assert out.tolist() == [True, False]

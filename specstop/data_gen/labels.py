@@ -50,7 +50,9 @@ class TeacherLabels:
 
 
 # Recorded in manifests and in the shard fingerprint: a dataset never mixes label semantics.
-LABELS_VERSION = 2  # 2: greedy data label the argmax draft token (1 sampled Y_i at T = 1)
+# 2: greedy data label the argmax draft token (1 sampled Y_i at T = 1). 3: tokens also record
+# p_i(X_i), q_i(X_i) and a draw from the residual norm(max(q_i - p_i, 0)) (sampled replay).
+LABELS_VERSION = 3
 
 
 def label_semantics(decoding: DecodingConfig) -> str:
@@ -157,8 +159,10 @@ def teacher_labels(
     u_sample = torch.cat([uniforms(seed, idx, "draft-sample", len(r)) for idx, r in zip(prompt_indices, responses)])
     u_verify = torch.cat([uniforms(seed, idx, "verify", len(r)) for idx, r in zip(prompt_indices, responses)])
 
+    u_reject = torch.cat([uniforms(seed, idx, "reject-sample", len(r)) for idx, r in zip(prompt_indices, responses)])
     cols: dict[str, list] = {c: [] for c in (
-        "draft_argmax", "target_top1", "topk", "entropy", "tv", "draft_token", "accept_prob", "verified")}
+        "draft_argmax", "target_top1", "topk", "entropy", "tv", "draft_token", "accept_prob", "verified",
+        "target_prob", "draft_prob", "reject_token", "reject_draft_prob")}
     for s in range(0, R, chunk_rows):
         e = min(R, s + chunk_rows)
         dl = d_out.logits[s:e]
@@ -185,6 +189,20 @@ def teacher_labels(
         # Bernoulli(accept_prob) from a seeded uniform: the outcome speculative sampling would verify
         # (greedy: acc is 0 or 1, so this is the greedy match itself).
         cols["verified"].append(u_verify[s:e].to(dev) < acc.double())
+        # For sampled replay (eval.sampled): the probabilities of the target's own token, and the draft
+        # token a rejection at this position would have drawn, Y' ~ norm(max(q - p, 0)) (greedy: the
+        # argmax, the only token greedy drafting proposes).
+        xi = x_tok[s:e].unsqueeze(-1)
+        cols["target_prob"].append(p.gather(-1, xi).squeeze(-1))
+        cols["draft_prob"].append(q.gather(-1, xi).squeeze(-1))
+        if decoding.greedy:
+            rej = d_arg
+        else:
+            rej = sample_from_uniform(
+                (q - p).clamp_min(0.0) + 1e-30 * (q > 0), u_reject[s:e].to(dev).float()
+            )
+        cols["reject_token"].append(rej)
+        cols["reject_draft_prob"].append(q.gather(-1, rej.long().unsqueeze(-1)).squeeze(-1))
         del q, p
     out: dict[str, np.ndarray] = {}
     for c, parts in cols.items():
@@ -193,7 +211,7 @@ def teacher_labels(
     out["token"] = x_tok.cpu().numpy().astype(np.int32)
     out["accept_expected"] = (1.0 - out["tv"]).astype(np.float32)
     out["greedy_match"] = out["draft_argmax"] == out["token"]
-    for c in ("draft_argmax", "target_top1", "draft_token"):
+    for c in ("draft_argmax", "target_top1", "draft_token", "reject_token"):
         out[c] = out[c].astype(np.int32)
     if hidden:
         out["hidden"] = d_out.hidden.to(torch.float16).cpu().numpy() if R else np.zeros((0, 0), np.float16)

@@ -13,6 +13,10 @@ Arrow folders. Every shard covers a fixed set of prompts of one split and holds 
     tv = TV(p_i, q_i); accept_expected = 1 - tv; greedy_match = [argmax q_i == X_i];
     draft_token Y_i ~ q_i (seeded); accept_prob = min(1, p_i(Y_i) / q_i(Y_i));
     verified ~ Bernoulli(accept_prob) (seeded); target_top1 = argmax p_i;
+    target_prob = p_i(X_i), draft_prob = q_i(X_i) (so a draft token equal to X_i is accepted
+    with probability min(1, draft_prob / target_prob) given that X_i is emitted);
+    reject_token Y'_i ~ norm(max(q_i - p_i, 0)) (seeded; greedy: argmax q_i), the token a
+    rejection at i drafted, and reject_draft_prob = q_i(Y'_i) (labels version 3);
     hidden (optional, float16) = the draft's final hidden state after X_i is fed in.
 
 ``mixed`` - SpecDec++ token mixing rows (only positions holding a draft token):
@@ -20,7 +24,9 @@ Arrow folders. Every shard covers a fixed set of prompts of one split and holds 
     hidden = e_i(x, Z_<i, Y_i) (float16, after Y_i is fed in);
     accept_prob / accept_expected: the teacher-forced labels of Y_i (as in SpecDec++ 4.4).
 
-``rollouts`` - one row per mismatch position m of a greedy response (eval splits by default):
+``rollouts`` - one row per mismatch position m of a greedy response (eval splits by default);
+    for sampled data one row per position where a rejection is possible (q_m(X_m) < p_m(X_m) or
+    any TV), with d_m = reject_token Y'_m:
     position m, mismatch_token d_m = argmax q_m != X_m; length n <= L;
     tokens r_1..r_n (greedy draft continuation of x, X_<m, d_m, stopped after EOS);
     topk [n*k] / entropy [n]: features of q(. | x, X_<m, d_m, r_<j) for step j;
@@ -81,6 +87,10 @@ def features_for(table: str, k: int, hidden_size: int | None):
             "draft_token": Value("int32"),
             "accept_prob": Value("float32"),
             "verified": Value("bool"),
+            "target_prob": Value("float32"),
+            "draft_prob": Value("float32"),
+            "reject_token": Value("int32"),
+            "reject_draft_prob": Value("float32"),
         }
         if hidden_size:
             f["hidden"] = List(Value("float16"), length=hidden_size)

@@ -58,7 +58,9 @@ def mixing_enabled(cfg: DataGenConfig, split: str) -> bool:
 
 def rollouts_enabled(cfg: DataGenConfig, split: str) -> bool:
     r = cfg.labels.rollouts
-    return cfg.generation.temperature == 0 and r.length > 0 and split in r.splits
+    # Sampled data get rejection rollouts (the continuation after a residual draw Y'_m, see
+    # specstop.eval.sampled); greedy data the continuation after an argmax mismatch.
+    return r.length > 0 and split in r.splits
 
 
 def label_batch(
@@ -123,15 +125,23 @@ def label_batch(
 
     if rollouts_enabled(cfg, split):
         c = teacher.columns
-        mism = np.nonzero(c["draft_argmax"] != c["token"])[0]
+        if dec.greedy:
+            # Greedy drafting proposes argmax q_m; it is rejected iff that differs from X_m.
+            mism = np.nonzero(c["draft_argmax"] != c["token"])[0]
+            wrong = c["draft_argmax"]
+        else:
+            # Sampled: given that X_m is emitted, the draft token at m is rejected with probability
+            # 1 - min(1, q_m(X_m) / p_m(X_m)) and was then Y'_m ~ norm(max(q_m - p_m, 0)).
+            mism = np.nonzero(c["draft_prob"] < c["target_prob"])[0]
+            wrong = c["reject_token"]
         prefixes, caps, owners, starts = [], [], [], []
         for r in mism:
             b = int(row_prompt[r])
             m = int(c["position"][r])
-            prefixes.append(p_ids[b] + r_ids[b][:m] + [int(c["draft_argmax"][r])])
+            prefixes.append(p_ids[b] + r_ids[b][:m] + [int(wrong[r])])
             starts.append((b, m))
             caps.append(rollout_cap(m, lab.rollouts.length, gen.max_new_tokens))
-            owners.append((b, m, int(c["draft_argmax"][r])))
+            owners.append((b, m, int(wrong[r])))
         pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
         rolls = greedy_rollouts(
             pair.draft, prefixes, caps, vocab_size=pair.vocab_size, decoding=dec, k=k,

@@ -13,10 +13,12 @@ from specstop.config_io import check_range, read_json
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.report import build_report, write_report
+from specstop.eval.sampled import replayable
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.tune_cli import load_cost_model_arg
 from specstop.outputs import claim_output_dir
 from specstop.pair.identity import check_same_pair
+from specstop.policy import DEFAULT_SL_MAX
 
 log = logging.getLogger("specstop")
 
@@ -30,7 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--checkpoint", action="append", default=[], metavar="[NAME=]PATH", help="override a tuned checkpoint path, repeatable (NAME defaults to the file name)"
     )
-    p.add_argument("--mc-repeats", type=int, default=20, help="Monte-Carlo repeats for sampled data")
+    p.add_argument("--mc-repeats", type=int, default=16,
+                   help="sampled data (T > 0): realisations of the acceptance draws replayed (default 16)")
 
 
 def read_tuned(path: str | Path) -> dict:
@@ -64,10 +67,12 @@ def run(args) -> int:
     data = load_replay_data(args.data, args.split)
     ckpts = {**tuned.get("checkpoints", {}), **parse_checkpoint_args(args.checkpoint)}
     info, skipped = score_checkpoints(data, args.data, args.split, ckpts)
+    sl_max = max([DEFAULT_SL_MAX] + [int(p["spec"].get("sl_max") or 0) for p in tuned["policies"].values()])
+    data = replayable(data, args.data, args.split, repeats=args.mc_repeats, max_steps=sl_max)
     # Predictors that could not even be tuned stay listed as skipped, with the tuner's reason.
     skipped = {**tuned.get("skipped", {}), **skipped}
     with claim_output_dir(args.out, command=f"specstop eval --out {args.out}"):
-        rep = build_report(data, tuned, cost, info, skipped, out_dir=args.out, mc_repeats=args.mc_repeats)
+        rep = build_report(data, tuned, cost, info, skipped, out_dir=args.out)
         md, js = write_report(rep, args.out)
     log.info("report: %s, %s", md, js)
     print(md.read_text())

@@ -8,8 +8,9 @@ tokens per round without the bonus token (``accepted_per_round``) and with it
 (``tokens_per_round``), improvement over Static SL-opt, and the fraction of the
 Static-opt -> Oracle latency gap closed.
 
-Greedy data use exact replay; sampled data (T > 0) use Monte-Carlo replay (see
-:mod:`specstop.eval.mc_replay` for its approximation); oracle and PEARL are greedy-only.
+Greedy data use exact replay; sampled data (T > 0) use R realisations of the acceptance draws
+conditioned on the recorded target samples (:mod:`specstop.eval.sampled`, which states its one
+approximation), replayed by the same machinery, with each row's spread over the realisations.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 from specstop.eval import plots
 from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData
-from specstop.eval.mc_replay import mc_replay, rejection_check
 from specstop.eval.pearl import pearl_replay
 from specstop.eval.replay import Counts, oracle_lengths
 from specstop.eval.segments import build_layout, fast_replay, sweep
@@ -62,7 +62,7 @@ def aligned_scores(data, key: str) -> np.ndarray | None:
     row = np.asarray(data.row_scores[key], dtype=np.float64)
     if data.score_reads.get(key, "dist") != "hidden":
         return row
-    if data.temperature > 0:
+    if data.temperature > 0 and getattr(data, "virtual_repeats", None) is None:
         return None
     out = row.copy()
     mm = ~data.greedy_match
@@ -81,7 +81,6 @@ def build_report(
     skipped: dict,
     *,
     out_dir: str | Path,
-    mc_repeats: int = 20,
 ) -> dict:
     """Replay every policy on ``data``, write the figures into ``out_dir``; return the report dict.
 
@@ -94,22 +93,27 @@ def build_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sampled = data.temperature > 0
-    layout = None if sampled else build_layout(data)
-    supported = None if sampled else max_sl_supported(data)
+    if sampled and getattr(data, "virtual_repeats", None) is None:
+        raise ValueError("sampled data is reported through specstop.eval.sampled.virtual_replay_data")
+    # Sampled data arrive as R realisations of the acceptance draws in greedy form (eval.sampled):
+    # the same exact machinery replays them; each row also gets its spread over the realisations.
+    layout = build_layout(data)
+    supported = max_sl_supported(data)
     cap20 = DEFAULT_SL_MAX if supported is None else min(DEFAULT_SL_MAX, supported)
     rows: dict[str, dict] = {}
     skipped_rows = dict(skipped)
 
     def run(name: str, label: str, spec: PolicySpec) -> None:
         try:
+            if spec.kind != "static" and spec.sl_max > cap20 and supported is not None:
+                raise ValueError(
+                    f"SL_max {spec.sl_max} exceeds what the stored rollouts support ({supported})"
+                )
+            m = fast_replay(data, spec, layout).metrics(cost.for_policy(spec))
             if sampled:
-                m = mc_replay(data, spec, cost.for_policy(spec), repeats=mc_repeats)
-            else:
-                if spec.kind != "static" and spec.sl_max > cap20 and supported is not None:
-                    raise ValueError(
-                        f"SL_max {spec.sl_max} exceeds what the stored rollouts support ({supported})"
-                    )
-                m = fast_replay(data, spec, layout).metrics(cost.for_policy(spec))
+                from specstop.eval.sampled import per_copy_latency, spread
+
+                m["latency_spread"] = spread(per_copy_latency(data, spec, cost.for_policy(spec)))
         except (KeyError, ValueError) as err:
             skipped_rows[name] = f"{type(err).__name__}: {err}"
             return
@@ -164,21 +168,17 @@ def build_report(
             skipped_rows[paper] = (
                 f"no tuned {fam} predictor in the tuned-policy file (train one and pass --checkpoint to specstop tune)"
             )
-    if sampled:
-        skipped_rows["pearl"] = "PEARL's timing model is replayed on greedy data only"
-        skipped_rows["oracle"] = "the oracle needs greedy matches (greedy data only)"
-    else:
-        rows["pearl"] = {
-            "label": "PEARL (timing model)",
-            "spec": {"kind": "pearl"},
-            **pearl_replay(data, cost),
-        }
-        run("oracle", "Oracle", PolicySpec(kind="oracle"))
+    rows["pearl"] = {
+        "label": "PEARL (two-device timing model: draft and target in parallel)",
+        "spec": {"kind": "pearl"},
+        **pearl_replay(data, cost),
+    }
+    run("oracle", "Oracle (knows the acceptance draws)" if sampled else "Oracle", PolicySpec(kind="oracle"))
     _relative_columns(rows)
 
     figures = {}
     extras = {}
-    if not sampled:
+    if True:  # greedy and sampled (realisations in greedy form) alike
         static_pts = [
             {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost.for_policy("static"))}
             for k in range(1, cap20 + 1)
@@ -210,7 +210,7 @@ def build_report(
             {k: p[k] for k in ("k", "latency_per_token", "verification_rate", "discard_rate")}
             for p in static_pts
         ]
-    label = data.accept_expected if sampled else data.greedy_match.astype(float)
+    label = data.greedy_match.astype(float)  # sampled: the realised acceptance draws
     cal = {}
     for name in predictors:
         if name not in data.row_scores:
@@ -225,13 +225,15 @@ def build_report(
         cal[name] = plots.calibration_bins(score[ok], label[ok])
     if cal:
         figures["calibration"] = plots.calibration_plot(
-            out_dir / "calibration.png", cal, "1 - TV" if sampled else "greedy match"
+            out_dir / "calibration.png", cal, "accepted (sampled draws)" if sampled else "greedy match"
         ).name
         extras["calibration"] = cal
     if sampled:
-        chk = rejection_check(data, cost)
-        extras["rejections_vs_tv"] = chk
-        figures["rejections"] = plots.rejections_plot(out_dir / "rejections_vs_tv.png", chk).name
+        from specstop.eval.sampled import APPROXIMATION
+
+        extras["theorem1"] = getattr(data, "theorem1", None)
+        extras["sampled_replay"] = {"repeats": data.virtual_repeats, "approximation": APPROXIMATION,
+                                    "rows_without_rejection_rollout": data.missing_rejection_rollouts}
 
     tuned_on = tuned.get("dataset")
     return {
@@ -240,9 +242,10 @@ def build_report(
         "tuned_on": {"dataset": tuned_on, "split": tuned.get("split")},
         "transfer": bool(tuned_on)
         and str(Path(str(tuned_on)).resolve()) != str(Path(data.source.rsplit(":", 1)[0]).resolve()),
-        "mode": "monte-carlo (sampled data)" if sampled else "exact greedy replay",
-        "tokens": data.num_tokens,
-        "prompts": data.num_prompts,
+        "mode": (f"sampled replay, {data.virtual_repeats} realisations of the acceptance draws" if sampled
+                 else "exact greedy replay"),
+        "tokens": data.num_tokens // (getattr(data, "virtual_repeats", None) or 1),
+        "prompts": getattr(data, "virtual_prompts", data.num_prompts),
         "cost_model": cost.to_dict(),
         "columns": list(COLUMNS),
         "notes": {
@@ -292,8 +295,11 @@ def to_markdown(rep: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"].values():
+        spr = r.get("latency_spread")
+        lat = (f"{r['latency_per_token']:.5f} ± {spr['ci95']:.5f}" if spr and spr.get("ci95") is not None
+               else f"{r['latency_per_token']:.5f}")
         lines.append(
-            f"| {r['label']} | {r['latency_per_token']:.5f} | {r['speedup']:.3f}x | {r['discard_rate']:.3f} | {r['verification_rate']:.3f} | "
+            f"| {r['label']} | {lat} | {r['speedup']:.3f}x | {r['discard_rate']:.3f} | {r['verification_rate']:.3f} | "
             f"{r['accepted_per_round']:.2f} | {r['tokens_per_round']:.2f} | {_fmt(r['improvement_over_static_opt'], True)} | {_fmt(r['gap_closed'], True)} |"
         )
     lines += ["", "Notes:"]
@@ -304,15 +310,16 @@ def to_markdown(rep: dict) -> str:
             lines.append(
                 f"- oracle speculation length: mean {o['mean']:.2f}, std {o['std']:.2f} over {o['rounds']} rounds"
             )
-    if "rejections_vs_tv" in rep:
-        r = rep["rejections_vs_tv"]
+    if rep.get("theorem1"):
+        r = rep["theorem1"]
         lines.append(
-            f"- Theorem 1 check: MC mean rejections {r['rejections_mc_mean']:.2f} vs sum of E[TV] {r['sum_tv']:.2f}"
+            f"- Theorem 1 (unbounded drafting): expected rejections at the sampled tokens, sum of 1 - min(1, q/p), "
+            f"{r['rejections_expected_at_samples']:.2f} vs sum of TV {r['sum_tv']:.2f} (difference "
+            f"{r['difference']:+.2f} ± {1.96 * (r['difference_se'] or 0):.2f}, 95%, over {r['positions']} positions)"
         )
-    if rep["mode"].startswith("monte"):
-        lines.append(
-            "- Monte-Carlo approximation: independent acceptance with prob. 1 - TV per position, continuing along the recorded response after a rejection."
-        )
+    if rep.get("sampled_replay"):
+        sr = rep["sampled_replay"]
+        lines.append(f"- latency ± 95% half-width over the {sr['repeats']} realisations; {sr['approximation']}")
     if rep.get("figures"):
         lines += ["", "Figures:"] + [f"- {k}: ![{k}]({v})" for k, v in rep["figures"].items()]
     if rep.get("skipped"):

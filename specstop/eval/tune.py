@@ -251,6 +251,7 @@ def best_throughput(checkpoint: str, data_dir: str, *, split: str = "validation"
     """
     from specstop.eval.cost import load_cost_model
     from specstop.eval.episodes import load_replay_data
+    from specstop.eval.sampled import replayable
     from specstop.eval.scoring import family_rule, load_checkpoint, score_split
 
     cost = load_cost_model(cost_model)
@@ -258,9 +259,16 @@ def best_throughput(checkpoint: str, data_dir: str, *, split: str = "validation"
     predictor, meta = load_checkpoint(checkpoint)
     family = meta.get("family") or predictor.family
     score_split(data, data_dir, split, family, predictor)
+    # Sampled data (SpecDec++'s own setting): realisations of the acceptance draws, see eval.sampled.
+    data = replayable(data, data_dir, split, max_steps=max(sl_max_grid))
+    if data.temperature <= 0:
+        supported = max_sl_supported(data)
+        if supported is not None:
+            sl_max_grid = [s for s in sl_max_grid if s <= supported] or [supported]
     rule, reads = family_rule(family, predictor.feature_spec.kind)
     base = PolicySpec(kind="predictor", family=family, rule=rule, reads=reads, extra={"scores": family})
     spec, rec = tune_threshold(data, base, cost, sl_max_grid)
     lat = rec["latency_per_token"]
     return {"throughput": 1.0 / lat, "threshold": spec.threshold, "sl_max": spec.sl_max,
-            "speedup": rec.get("speedup"), "latency_per_token": lat}
+            "speedup": rec.get("speedup"), "latency_per_token": lat, "cost_model": cost.name,
+            "cost_provenance": cost.provenance}

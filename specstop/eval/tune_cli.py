@@ -12,11 +12,12 @@ import logging
 import time
 from pathlib import Path
 
-from specstop.config_io import read_json
+from specstop.config_io import check_range, read_json
 from specstop.data_gen.storage import atomic_write_json
 from specstop.errors import UserError
 from specstop.eval.cost import PRESETS, CostModel, load_cost_model
 from specstop.eval.episodes import load_replay_data
+from specstop.eval.sampled import DEFAULT_REPEATS, replayable
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.segments import build_layout
 from specstop.eval.tune import (
@@ -52,6 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="tuned-policy JSON to write")
     p.add_argument("--sl-max-grid", default="4,8,12,16,20", help="SL_max candidates, comma separated")
     p.add_argument("--heuristic-starts", default="1,2,3,4,5,6,8,10", help="heuristic start values to try")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"sampled data (T > 0): realisations of the acceptance draws to tune on (default {DEFAULT_REPEATS})")
 
 
 def _ints(text: str) -> list[int]:
@@ -77,6 +80,7 @@ def load_cost_model_arg(spec) -> CostModel:
 
 
 def run(args) -> int:
+    check_range("--repeats", args.repeats, low=1)
     cost = load_cost_model_arg(args.cost_model)
     grid = _ints(args.sl_max_grid)
     tuned = tune_dataset(
@@ -86,6 +90,7 @@ def run(args) -> int:
         cost,
         sl_max_grid=grid,
         heuristic_starts=_ints(args.heuristic_starts),
+        repeats=args.repeats,
     )
     out = Path(args.out)
     atomic_write_json(out, tuned)  # a crash never leaves a half-written tuned file
@@ -112,20 +117,22 @@ def tune_dataset(
     *,
     sl_max_grid=(4, 8, 12, 16, 20),
     heuristic_starts=(1, 2, 3, 4, 5, 6, 8, 10),
+    repeats: int = DEFAULT_REPEATS,
 ) -> dict:
     """Tune everything on ``split`` of ``data_dir``; returns the tuned-policy dict (see module docstring)."""
     t0 = time.perf_counter()
     data = load_replay_data(data_dir, split)
-    if data.temperature > 0:
-        log.warning(
-            "dataset was sampled at T=%g: tuning uses greedy replay of its rollouts/matches", data.temperature
-        )
-    for sl in sl_max_grid:
-        try:
-            check_sl_max(data, sl)
-        except ValueError as err:  # the grid asks for longer rollouts than the dataset stores
-            raise UserError(f"--sl-max-grid: {err}") from None
+    if data.temperature <= 0:
+        for sl in sl_max_grid:
+            try:
+                check_sl_max(data, sl)
+            except ValueError as err:  # the grid asks for longer rollouts than the dataset stores
+                raise UserError(f"--sl-max-grid: {err}") from None
     info, skipped = score_checkpoints(data, data_dir, split, checkpoints)
+    if data.temperature > 0:
+        # Sampled data: tune on R realisations of the acceptance draws (mean latency), see eval.sampled.
+        data = replayable(data, data_dir, split, repeats=repeats, max_steps=max(sl_max_grid))
+        log.info("sampled data (T=%g): tuning on %d realisations of the acceptance draws", data.temperature, repeats)
     layout = build_layout(data)
     policies = {}
     k_max = max(sl_max_grid)
@@ -169,7 +176,9 @@ def tune_dataset(
         "checkpoints": {n: m["path"] for n, m in info.items()},
         "predictors": info,
         "skipped": skipped,
-        "tokens": data.num_tokens,
-        "prompts": data.num_prompts,
+        "tokens": data.num_tokens // (getattr(data, "virtual_repeats", None) or 1),
+        "prompts": getattr(data, "virtual_prompts", data.num_prompts),
+        "sampled_replay": ({"repeats": data.virtual_repeats, "theorem1": data.theorem1}
+                           if getattr(data, "virtual_repeats", None) else None),
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -295,7 +295,7 @@ class SpeculativeDecoder:
                     q = self._probs(logits)
                 # hidden is e_{j-1}: the state after y_{j-1}, from the forward that produced q_j (at
                 # j = 1 after the last emitted token: hidden heads skip it, with_state heads read it).
-                stop = policy.should_stop(logits, hidden, position=s + j - 1, draft_probs=q)
+                stop = policy.should_stop(logits, hidden, position=s + j - 1, draft_probs=q, draft_token=y)
                 t0 = timer.add("predictor", t0)
                 drafted.append(y)
                 if q is not None:

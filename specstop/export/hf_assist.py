@@ -156,7 +156,8 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
             t1 = time.perf_counter()
             self.timings["draft"] += t1 - t0
             q = logits_to_probs(raw, policy.decoding, policy.vocab_size) if policy.reads_probs else None
-            stop = policy.should_stop(raw, hidden, position=cur_len - response_start + j - 1, draft_probs=q)
+            stop = policy.should_stop(raw, hidden, position=cur_len - response_start + j - 1, draft_probs=q,
+                                      draft_token=y)
             self.timings["predictor"] += time.perf_counter() - t1
             drafted.append(y)
             scores.append(proc)

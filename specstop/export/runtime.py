@@ -445,6 +445,7 @@ class StoppingPolicy(
         position: int = 0,
         *,
         draft_probs: torch.Tensor | None = None,
+        draft_token: int | None = None,
     ) -> bool:
         """Decide after drafting token j (j counts calls since :meth:`reset`).
 
@@ -456,6 +457,9 @@ class StoppingPolicy(
                 ``with_state`` read it with q_j at every step. Pass it whenever ``needs_hidden``.
             position: 0-based response position of the current token.
             draft_probs: ``[V]`` q_j after the decoding transform, if the caller has it already.
+            draft_token: the token drafted at this step. Under sampling the confidence rule reads its
+                probability q_j(y_j) (as HF's ``assistant_confidence_threshold`` does); greedy drafts
+                the argmax, whose probability is the maximum either way.
 
         Returns:
             True to stop drafting (the policy's own cap included). The caller still enforces the
@@ -465,7 +469,9 @@ class StoppingPolicy(
         j = self._j
         top1, score = 1.0, None
         if self.spec.kind == "confidence":
-            top1 = float(self._probs(draft_logits, draft_probs).max())
+            probs = self._probs(draft_logits, draft_probs)
+            sampled = not self.decoding.greedy and draft_token is not None
+            top1 = float(probs[int(draft_token)] if sampled else probs.max())
         elif self.predictor is not None:
             reads_hidden = self.feature_spec.reads_hidden
             # Hidden-state heads score e_{j-1}; at j = 1 there is no drafted y_0 (Algorithm 1 skips it).
@@ -518,6 +524,7 @@ class StoppingPolicy(
         *,
         active: torch.Tensor | Sequence[bool] | None = None,
         draft_probs: torch.Tensor | None = None,
+        draft_tokens: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Batched :meth:`should_stop` with one state machine per sequence.
 
@@ -526,6 +533,7 @@ class StoppingPolicy(
             positions: ``[B]`` response positions of the current tokens.
             active: ``[B]`` bools; inactive sequences (already stopped) keep their state and get True.
             draft_probs: ``[B, V]`` transformed q, optional.
+            draft_tokens: ``[B]`` drafted tokens (sampling: the confidence rule reads their probability).
 
         Returns:
             ``BoolTensor[B]``: stop drafting for that sequence.
@@ -541,7 +549,12 @@ class StoppingPolicy(
         top1 = [1.0] * B
         score: list[float | None] = [None] * B
         if self.spec.kind == "confidence":
-            top1 = self._probs(draft_logits, draft_probs).max(-1).values.tolist()
+            probs = self._probs(draft_logits, draft_probs)
+            if not self.decoding.greedy and draft_tokens is not None:
+                idx = torch.as_tensor(draft_tokens, device=probs.device).reshape(-1, 1).long()
+                top1 = probs.gather(-1, idx).squeeze(-1).tolist()
+            else:
+                top1 = probs.max(-1).values.tolist()
         elif self.predictor is not None:
             if self.feature_spec.reads_hidden and draft_hidden is None:
                 if any(act[b] and self._batch_j[b] > 1 for b in range(B)):

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from specstop.cli_flags import add_deprecated_alias
+from specstop.errors import UserError
 
 log = logging.getLogger("specstop.sweep")
 
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
     parser.add_argument("--out", required=True, help="output folder (runs + sweep.md + sweep.json)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the logistic-regression/static baselines")
+    parser.add_argument("--cost-model", default="llama2-7b-70b",
+                        help="cost model for the simulated-throughput column: a cost.json from `specstop calibrate-cost` "
+                        "(this machine) or a preset (default llama2-7b-70b: SpecDec++'s A100 figures, NOT this machine)")
 
 
 def _grid_config(base: dict, out: Path, name: str, w_rej: float, depth: int | None, lr: float | None, args) -> dict:
@@ -71,19 +75,15 @@ def _grid_config(base: dict, out: Path, name: str, w_rej: float, depth: int | No
     return cfg
 
 
-def _simulated_throughput(ckpt: str, data_dir: str) -> dict | None:
+def _simulated_throughput(ckpt: str, data_dir: str, cost_model: str) -> dict:
+    """The checkpoint's exactly tuned throughput on validation, or ``{"error": why}`` (the row says it)."""
+    from specstop.eval.tune import best_throughput
+
     try:
-        from specstop.eval import tune  # noqa: F401
-    except ImportError:
-        return None
-    fn = getattr(tune, "best_throughput", None)
-    if fn is None:
-        return None
-    try:
-        return fn(ckpt, data_dir)
-    except Exception as err:  # the table is still useful without this column
+        return best_throughput(ckpt, data_dir, cost_model=cost_model)
+    except (UserError, ValueError, KeyError) as err:  # the table is still useful without this column
         log.warning("simulated throughput failed for %s: %s", ckpt, err)
-        return None
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def run_grid(args) -> list[dict]:
@@ -131,7 +131,7 @@ def run_grid(args) -> list[dict]:
             "val_auroc": val.get("auroc"),
             "val_f1": val.get("f1"),
             "checkpoint": str(Path(best).resolve()),
-            "simulated": _simulated_throughput(best, dm.data_dir),
+            "simulated": _simulated_throughput(best, dm.data_dir, getattr(args, "cost_model", "llama2-7b-70b")),
             "validation": val,
         }
         rows.append(row)
@@ -151,7 +151,8 @@ def _write(out: Path, rows: list[dict]) -> None:
     ]
     for r in rows:
         sim = r.get("simulated")
-        sim_s = f"{sim['throughput']:.2f} ({sim['threshold']})" if sim else "n/a (specstop.eval.tune missing)"
+        sim_s = (f"{sim['throughput']:.2f} ({sim['threshold']:.3g})" if sim and "throughput" in sim
+                 else f"n/a ({(sim or {}).get('error', 'not computed')[:120]})")
         lines.append(
             f"| {r['w_rej']:g} | {'-' if r['depth'] is None else r['depth']} | {r['lr']:g} | {_fmt(r['train_kl'])} | "
             f"{_fmt(r['val_kl'])} | {_fmt(r['train_auroc'])} | {_fmt(r['val_auroc'])} | {_fmt(r['val_f1'])} | {sim_s} |"
