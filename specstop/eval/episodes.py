@@ -1,6 +1,6 @@
 """Replay inputs: a dataset split as flat numpy arrays, one block of rows per prompt.
 
-:class:`ReplayData` holds what greedy replay, Monte-Carlo replay, PEARL and the tuner read:
+:class:`ReplayData` holds what greedy replay, sampled replay, PEARL and the tuner read:
 
 * token rows (teacher forcing along the target's response X_0..X_{N-1}), concatenated over
   prompts in (prompt_id, position) order; prompt p owns rows ``offsets[p]:offsets[p+1]``;

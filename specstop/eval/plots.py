@@ -112,20 +112,3 @@ def calibration_plot(path: Path, curves: dict, label_name: str) -> Path:
     plt.close(fig)
     return path
 
-
-def rejections_plot(path: Path, check: dict) -> Path:
-    """Theory paper Theorem 1: mean rejections (unbounded drafting) vs the sum of E[TV]."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.0, 4.0))
-    names = ["MC mean rejections", "sum E[TV]"]
-    vals = [check["rejections_mc_mean"], check["sum_tv"]]
-    if "rejections_recorded_draws" in check:
-        names.append("recorded draws")
-        vals.append(check["rejections_recorded_draws"])
-    ax.bar(names, vals, color=["tab:blue", "tab:orange", "tab:green"][: len(vals)])
-    ax.set_ylabel("rejections (whole split)")
-    ax.set_title("Rejections vs sum of TV (Theorem 1)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
