@@ -372,12 +372,17 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     if len(seqs) == 0:
         seqs = load_table(data_dir, "sequences")
     prompts = [list(seqs[i]["prompt_ids"]) for i in range(min(cfg.online_prompts, len(seqs)))]
-    max_new = cfg.online_max_new_tokens or int(read_manifest(data_dir)["generation"]["max_new_tokens"])
+    gen = read_manifest(data_dir)["generation"]
+    max_new = cfg.online_max_new_tokens or int(gen["max_new_tokens"])
     tuned = json.loads(Path(tuned_path).read_text())
     rows = json.loads(Path(report_path).read_text()).get("rows") or {} if Path(report_path).is_file() else {}
     cost = load_cost_model(cost_arg)
     pair = load_named_pair(cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device)
-    greedy = DecodingConfig()
+    # Decode as the dataset describes: greedy, or sampled at its temperature / top-k / top-p (then the
+    # outputs are samples, so the token-for-token check against the target does not apply).
+    decoding = DecodingConfig(temperature=float(gen.get("temperature") or 0.0), top_k=int(gen.get("top_k") or 0),
+                              top_p=float(gen.get("top_p") or 1.0))
+    greedy = decoding
 
     def replay_of(name: str) -> float | None:
         key = row_key_for_policy(rows, name)
@@ -395,11 +400,12 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
             methods.append(online.decoder_method(f"{name} ({spec.label})",
                                                  SpeculativeDecoder(pair, StoppingPolicy.from_spec(spec), greedy),
                                                  spec=spec, replay_speedup=replay_of(name)))
-    if cfg.online_hf_default:
+    if cfg.online_hf_default and decoding.greedy:
         methods.append(online.hf_assisted_method("HF assisted (defaults)", pair))
     meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats)
-    flips = online.greedy_flips(pair, prompts, meas, "target")
-    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips)
+    flips = online.greedy_flips(pair, prompts, meas, "target") if decoding.greedy else []
+    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips,
+                               sampled=not decoding.greedy)
     summary.update({"policy": str(export_dir), "dtype": pair.dtype_record(), "cost_model": cost.name,
                     "cost_provenance": cost.provenance_line(), "markdown": online.to_markdown(summary)})
     atomic_write_json(out_path, summary)
@@ -478,7 +484,7 @@ def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path
           "## Headline (replay, test split)", "", table, "",
           f"Full replay report: `{eval_dir / 'report.md'}`; export: `{export_dir}`.", ""]
     if online:
-        md += ["## Online check (real decoding, greedy)", "",
+        md += [f"## Online check (real decoding, {'sampled' if online.get('sampled') else 'greedy'})", "",
                f"dtype: {(online.get('dtype') or {}).get('dtype')} ({(online.get('dtype') or {}).get('reason')}); "
                "decoding is lossless relative to the target in this dtype (bf16 near-ties can flip between "
                "batched verification and single-token steps; listed below).", "",

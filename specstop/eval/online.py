@@ -245,8 +245,11 @@ def _per_prompt_fastest(runs: list[list[Run]], attr: str) -> list[float | None]:
 
 
 def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=None,
-              tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None) -> dict:
-    """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags."""
+              tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None, sampled: bool = False) -> dict:
+    """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags.
+
+    ``sampled``: the runs are speculative *sampling* (their outputs are samples, not the target's
+    greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None)."""
     base = meas.runs[baseline]
     base_total = _per_prompt_fastest(base, "seconds")
     base_decode = _per_prompt_fastest(base, "decode_seconds")
@@ -263,7 +266,7 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
         toks = [len(rs[0].tokens) for rs in runs]
         row["tokens"] = int(sum(toks))
         row["tok_s"] = statistics.median(len(r.tokens) / r.seconds for rs in runs for r in rs)
-        row["greedy_diffs"] = sum(rs[0].tokens != bt for rs, bt in zip(runs, base_tokens))
+        row["greedy_diffs"] = None if sampled else sum(rs[0].tokens != bt for rs, bt in zip(runs, base_tokens))
         if runs[0][0].k_hist is not None:
             hists = [np.asarray(functools.reduce(add_hists, [r.k_hist for r in rs])) for rs in runs]  # per prompt
             n_round = sum(int(h.sum()) for h in hists)
@@ -301,8 +304,8 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
         rows[m.name] = row
     return {"baseline": baseline, "prompts": meas.prompts, "repeats": meas.repeats,
             "max_new_tokens": meas.max_new_tokens, "seconds": meas.seconds, "tolerance": tolerance,
-            "ci": CI, "rows": rows, "flips": flips or [],
-            "all_identical": all(r["greedy_diffs"] == 0 for r in rows.values())}
+            "ci": CI, "rows": rows, "flips": flips or [], "sampled": sampled,
+            "all_identical": None if sampled else all(r["greedy_diffs"] == 0 for r in rows.values())}
 
 
 @torch.no_grad()
@@ -346,7 +349,8 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
             + (f"{dec[0]:.2f}x [{dec[1]:.2f}, {dec[2]:.2f}]" if dec else "-")
             + f" | {_x(r.get('predicted_decode_speedup'))} | {_x(r.get('replay_speedup'))} | "
             + (f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-")
-            + f" | {_s(r.get('round_seconds'))} | {_s(r.get('predicted_round_seconds'))} | {r['greedy_diffs']} | "
+            + f" | {_s(r.get('round_seconds'))} | {_s(r.get('predicted_round_seconds'))} | "
+            + ("sampled" if r["greedy_diffs"] is None else str(r["greedy_diffs"])) + " | "
             + ("; ".join(r["flags"]) if r["flags"] else "")
             + " |"
         )
