@@ -165,17 +165,21 @@ def test_changed_settings_are_refused(reference, pair, tmp_path):
         generate_dataset(pair, records(7), cfg, out, render=make_render(pair.tokenizer), progress=False)
 
 
-def test_hidden_off_skips_mixing_and_sampled_skips_rollouts(pair, tmp_path):
+def test_hidden_off_skips_mixing_and_sampled_gets_rejection_rollouts(pair, tmp_path):
     cfg = _cfg()
     cfg.labels.hidden_states = False
     cfg.generation.temperature = 1.0
     out = tmp_path / "ds"
     generate_dataset(pair, records(3), cfg, out, render=make_render(pair.tokenizer), progress=False)
     man = storage.read_manifest(out)
-    assert man["labels"]["mixing"]["splits"] == [] and man["labels"]["rollouts"]["splits"] == []
+    assert man["labels"]["mixing"]["splits"] == []
     assert man["labels"]["hidden_size"] is None
     assert "hidden" not in storage.load_table(out, "tokens").column_names
-    assert all(v["mixed"] == 0 and v["rollouts"] == 0 for v in man["splits"].values())
+    assert all(v["mixed"] == 0 for v in man["splits"].values())
+    # Sampled eval splits carry rejection rollouts (what sampled replay continues with after a rejection).
+    assert set(man["labels"]["rollouts"]["splits"]) == {"validation", "test"}
+    tokens = storage.load_table(out, "tokens", "test")
+    assert {"target_prob", "draft_prob", "reject_token", "reject_draft_prob"} <= set(tokens.column_names)
     assert man["bytes_per_token"]["with_hidden"] > man["bytes_per_token"]["without_hidden"]
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -53,6 +54,25 @@ def test_generated_dataset_opens_with_load_dataset(pair, tmp_path):
         assert tokens[split].features == ref.features
     rollouts = datasets.load_dataset(str(out), "rollouts", split="test")
     assert len(rollouts) == len(storage.load_table(out, "rollouts", "test")) > 0
+
+
+def test_regenerated_folder_is_not_served_from_the_datasets_cache(pair, tmp_path):
+    """datasets keys its cache on the card only: the card must change when the data do."""
+    import datasets
+
+    cfg = DataGenConfig(prompts_per_shard=2)
+    cfg.generation.max_new_tokens = 6
+    cfg.labels.hidden_states = True
+    cfg.labels.mixing.draws = 0
+    out, cache = tmp_path / "ds", tmp_path / "hf-cache"
+    generate_dataset(pair, records(5), cfg, out, render=make_render(pair.tokenizer), progress=False)
+    assert "hidden" in datasets.load_dataset(str(out), split="train", cache_dir=str(cache)).column_names
+    shutil.rmtree(out)
+    cfg.labels.hidden_states = False
+    generate_dataset(pair, records(5), cfg, out, render=make_render(pair.tokenizer), progress=False)
+    again = datasets.load_dataset(str(out), split="train", cache_dir=str(cache))
+    assert "hidden" not in again.column_names
+    assert again["token"] == storage.load_table(out, "tokens", "train")["token"]
 
 
 def test_export_is_a_hub_model_repo(exports):

@@ -10,6 +10,11 @@ the Arrow shard files of each split, so::
 The shard files are the ones ``save_to_disk`` wrote (Arrow streaming format, which the ``arrow``
 builder reads); nothing is copied. Tables or splits without rows are left out, because a pattern
 that matches no file is an error in ``datasets``.
+
+The card also carries a ``dataset_info:`` entry per table (bytes and rows per split). ``datasets``
+keys its cache on the card's YAML only, not on the files' contents or times: without sizes that
+change when the data do, ``load_dataset`` on a folder regenerated in place (another schema, other
+rows) silently returns the previous generation's cached tables.
 """
 
 from __future__ import annotations
@@ -34,26 +39,47 @@ _TABLE_TEXT = {
 }
 
 
-def card_configs(out_dir: str | Path) -> list[dict]:
-    """The ``configs:`` entries: per table, per split, the relative paths of its Arrow files."""
-    out = Path(out_dir)
-    configs = []
+def _table_files(out: Path) -> dict[str, dict[str, dict]]:
+    """Per table, per split: the relative Arrow file paths, their bytes and the rows they hold."""
+    tables: dict[str, dict[str, dict]] = {}
     for table in TABLES:
-        by_split: dict[str, list[str]] = {}
+        by_split: dict[str, dict] = {}
         for shard in complete_shards(out):
             rows = ((read_shard_record(shard) or {}).get("rows") or {}).get(table, 0)
             if not rows:
                 continue
             split = shard.name.rsplit("-", 1)[0]
-            files = sorted(p.relative_to(out).as_posix() for p in (shard / table).glob("*.arrow"))
-            by_split.setdefault(split, []).extend(files)
-        if not by_split:
-            continue
-        entry = {"config_name": table, "data_files": [{"split": s, "path": f} for s, f in by_split.items()]}
+            files = sorted((shard / table).glob("*.arrow"))
+            entry = by_split.setdefault(split, {"paths": [], "bytes": 0, "rows": 0})
+            entry["paths"].extend(p.relative_to(out).as_posix() for p in files)
+            entry["bytes"] += sum(p.stat().st_size for p in files)
+            entry["rows"] += int(rows)
+        if by_split:
+            tables[table] = by_split
+    return tables
+
+
+def card_configs(out_dir: str | Path) -> list[dict]:
+    """The ``configs:`` entries: per table, per split, the relative paths of its Arrow files."""
+    configs = []
+    for table, by_split in _table_files(Path(out_dir)).items():
+        entry = {"config_name": table, "data_files": [{"split": s, "path": f["paths"]} for s, f in by_split.items()]}
         if table == DEFAULT_TABLE:
             entry["default"] = True
         configs.append(entry)
     return configs
+
+
+def card_dataset_info(out_dir: str | Path) -> list[dict]:
+    """The ``dataset_info:`` entries: per table, its bytes and, per split, bytes and rows (see the module doc)."""
+    return [
+        {
+            "config_name": table,
+            "dataset_size": sum(f["bytes"] for f in by_split.values()),
+            "splits": [{"name": s, "num_bytes": f["bytes"], "num_examples": f["rows"]} for s, f in by_split.items()],
+        }
+        for table, by_split in _table_files(Path(out_dir)).items()
+    ]
 
 
 def write_dataset_card(out_dir: str | Path, manifest: dict) -> Path:
@@ -68,6 +94,7 @@ def write_dataset_card(out_dir: str | Path, manifest: dict) -> Path:
     draft = (pair.get("draft") or {}).get("name_or_path")
     target = (pair.get("target") or {}).get("name_or_path")
     meta = {
+        "dataset_info": card_dataset_info(out),
         "configs": card_configs(out),
         "tags": ["specstop", "speculative-decoding"],
         "pretty_name": f"specstop labels: {(manifest.get('prompts') or {}).get('source')}",

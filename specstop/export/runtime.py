@@ -150,7 +150,7 @@ def _load_predictor(path: Path, cfg_path: Path, pred_cfg: Any) -> StoppingPredic
         raise MissingInputError(f"{path}: config.json names weights {weights.name} but the file is missing")
     try:
         predictor = build_predictor(pred_cfg["family"], **pred_cfg["config"])
-    except TypeError as err:
+    except (TypeError, UserError) as err:  # UserError: a key or value type the family's config refuses
         raise UserError(f"{cfg_path}: predictor.config does not fit family {pred_cfg['family']!r}: {err}") from None
     try:
         state = load_file(str(weights), device="cpu")
