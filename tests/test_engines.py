@@ -72,6 +72,22 @@ def test_llamacpp_static_policy_disables_p_min():
         "--spec-type", "draft-simple", "--spec-draft-n-max", "6", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
 
 
+def test_llamacpp_command_names_the_gguf_a_converted_pair_came_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSTOP_CACHE", str(tmp_path / "cache"))
+    from specstop.paths import downloads_dir
+
+    downloads_dir().mkdir(parents=True)
+    (downloads_dir() / "t.gguf").write_bytes(b"GGUF")
+    converted, plain = tmp_path / "target", tmp_path / "draft"
+    converted.mkdir()
+    plain.mkdir()
+    (converted / "specstop_source.json").write_text(json.dumps({"gguf_file": "t.gguf"}))
+    settings = engine_settings(_tuned(tmp_path), "llamacpp", draft=str(plain), target=str(converted))
+    argv = shlex.split(settings["options"]["static_opt"]["command"])
+    assert argv[argv.index("-m") + 1] == str(downloads_dir() / "t.gguf")  # llama.cpp reads GGUF only
+    assert argv[argv.index("-md") + 1] == str(plain)  # no record: the folder as given
+
+
 def test_unknown_engine_and_missing_policies_are_clear(tmp_path):
     tuned = _tuned(tmp_path)
     with pytest.raises(ValueError, match="choose from"):

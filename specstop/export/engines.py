@@ -123,6 +123,25 @@ def _sglang(entry: dict, draft: str, target: str) -> dict:
     return {"flags": flags, "command": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, *flags])}
 
 
+def gguf_source(model: str) -> str:
+    """The GGUF file a model folder was converted from (``specstop fetch-pair``), else ``model`` itself.
+
+    llama.cpp loads GGUF files only; a converted pair's folder records its source file, which
+    ``fetch-pair`` keeps in the downloads cache. A folder without that record (or whose GGUF is gone)
+    is returned unchanged, so the command still names the model the user gave.
+    """
+    from specstop.pair.convert import SOURCE_RECORD
+    from specstop.paths import downloads_dir
+
+    record = Path(model) / SOURCE_RECORD
+    try:
+        name = json.loads(record.read_text()).get("gguf_file")
+    except (OSError, ValueError, AttributeError):
+        return model
+    path = downloads_dir() / str(name)
+    return str(path) if name and path.is_file() else model
+
+
 def _pair_names(tuned: dict, manifest: dict | None) -> tuple[str, str]:
     pair = (manifest or {}).get("pair") or {}
     draft = (pair.get("draft") or {}).get("name_or_path") or "DRAFT"
@@ -160,7 +179,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         if entry is None:
             continue
         body = {"hf": lambda e: _hf(e), "vllm": lambda e: _vllm(e, draft, target),
-                "llamacpp": lambda e: _llamacpp(e, draft, target), "sglang": lambda e: _sglang(e, draft, target)}[engine](entry)
+                "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)), "sglang": lambda e: _sglang(e, draft, target)}[engine](entry)
         options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
     if engine == "hf" and hf_export is not None:
         name, folder = hf_export
