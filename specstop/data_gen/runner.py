@@ -194,7 +194,8 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
     if cfg.labels.mixing.draws > 0 and not cfg.labels.hidden_states:
         log.info("token mixing skipped: it produces hidden-state rows and labels.hidden_states is off")
     if cfg.generation.temperature > 0 and cfg.labels.rollouts.length > 0 and cfg.labels.rollouts.splits:
-        log.info("rollouts skipped: they serve exact replay of greedy decoding and this run samples (T > 0)")
+        log.info("rollouts on %s are rejection rollouts (the continuation after a residual draw: sampled replay)",
+                 ", ".join(cfg.labels.rollouts.splits))
 
     todo, skipped = [], []
     for p in mine:
