@@ -163,10 +163,18 @@ def low_memory_message(status: MemoryStatus, reserve: int) -> str:
     )
 
 
-def check_memory() -> None:
-    """Raise :class:`ResourceLimitError` when available memory is below the reserve (call between batches)."""
+def raise_if_tripped() -> None:
+    """Raise :class:`ResourceLimitError` if the guard thread has seen memory run low (cheap: no measurement).
+
+    The guard also interrupts the main thread, but that exception can land inside a library's broad
+    ``except Exception`` and be lost; loops that call this between batches stop regardless."""
     if _monitor is not None and _monitor.tripped:
         raise ResourceLimitError(_monitor.tripped)
+
+
+def check_memory() -> None:
+    """Raise :class:`ResourceLimitError` when available memory is below the reserve (call between batches)."""
+    raise_if_tripped()
     status = memory_status()
     reserve = reserve_bytes(status.total)
     if status.available < reserve:
@@ -260,6 +268,15 @@ def guarded_stage(name: str) -> Iterator[None]:
             _monitor.start()
     try:
         yield
+    except ResourceLimitError:
+        raise
+    except BaseException as err:
+        # The guard's interrupt can land inside a library that turns it into another error (a
+        # jsonargparse "does not validate" while parsing, a swallowed exception in a loader); once
+        # memory ran low, that is the reason the stage failed: say so instead.
+        if outermost and _monitor is not None and _monitor.tripped:
+            raise ResourceLimitError(_monitor.tripped) from err
+        raise
     finally:
         with _lock:
             _stages.pop()

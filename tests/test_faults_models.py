@@ -303,3 +303,30 @@ def test_monitor_thread_interrupts_a_busy_main_thread(monkeypatch):
             while time.time() < deadline:  # a Python loop that never checks memory itself
                 sum(range(1000))
     assert memory.current_stage() == "specstop"
+
+
+def test_an_interrupt_a_library_turned_into_another_error_still_reports_memory(monkeypatch):
+    """jsonargparse (or any broad except) may convert the guard's interrupt: the stage says why it stopped."""
+    from specstop import memory
+
+    monkeypatch.setattr(memory, "POLL_SECONDS", 0.01)
+    low = memory.MemoryStatus(available=1 << 20, total=8 << 30, rss=7 << 30)
+    monkeypatch.setattr(memory, "memory_status", lambda: low)
+    with pytest.raises(ResourceLimitError, match="before the machine runs out of memory") as info:
+        with memory.guarded_stage("stage 'y'"):
+            try:
+                deadline = time.time() + 10
+                while time.time() < deadline:
+                    sum(range(1000))
+            except Exception:  # a library turning whatever lands here into its own error
+                raise ValueError("does not validate") from None
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(ResourceLimitError):  # lost altogether: the next cooperative check stops
+        with memory.guarded_stage("stage 'z'"):
+            try:
+                deadline = time.time() + 10
+                while time.time() < deadline:
+                    sum(range(1000))
+            except Exception:
+                pass
+            memory.raise_if_tripped()

@@ -24,10 +24,11 @@ import warnings
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from specstop.errors import UserError
+from specstop.memory import raise_if_tripped
 from specstop.pair.identity import check_same_pair
 from specstop.train.module import PredictorModule
 from specstop.train.strategy import check_strategy
@@ -36,6 +37,16 @@ log = logging.getLogger("specstop.train")
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEFAULT_LOG_DIR = "runs/train"
+
+
+class MemoryGuardCallback(Callback):
+    """Stops training at the next batch once the memory guard has tripped (see specstop.memory)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        raise_if_tripped()
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        raise_if_tripped()
 
 
 class SpecstopCLI(LightningCLI):
@@ -84,6 +95,7 @@ class SpecstopCLI(LightningCLI):
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
+        self.trainer.callbacks.append(MemoryGuardCallback())
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_resume_pair(cfg.get("ckpt_path"), self.datamodule)
 
