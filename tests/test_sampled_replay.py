@@ -12,7 +12,13 @@ from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
 from specstop.eval.episodes import from_arrays, load_replay_data
-from specstop.eval.sampled import accept_given_output, replayable, theorem1_check, virtual_replay_data
+from specstop.eval.sampled import (
+    accept_given_output,
+    attach_sampled_columns,
+    replayable,
+    theorem1_check,
+    virtual_replay_data,
+)
 from specstop.eval.segments import fast_replay
 from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
@@ -108,6 +114,25 @@ def test_virtual_copies_draw_acceptance_with_the_conditional_probability(sampled
     np.testing.assert_allclose(v.top1[:t][~rejected], s["draft_prob"][~rejected])
     # Every rejected row has a continuation long enough for the replay (stored + on-path proxies).
     assert (v.rollout_of_row[:t][rejected] >= 0).all()
+
+
+def test_a_rejection_near_an_early_eos_replays_at_any_length(sampled):
+    """A response that ends with EOS long before max_new_tokens has no on-path rows to stand in for
+    the draft's steps after a late rejection: the replay must still run any SL_max (pipeline crash)."""
+    _pair, out, _ids = sampled
+    data = load_replay_data(out, "test")
+    ends = data.offsets[1:] - 1
+    data.eos_token_ids = tuple(sorted({*data.eos_token_ids, *(int(t) for t in data.token[ends])}))
+    early = data.is_eos(data.token)
+    early[ends] = False
+    keep = [p for p in range(data.num_prompts) if not early[data.offsets[p]:data.offsets[p + 1]].any()]
+    assert len(keep) >= 2
+    data.max_new_tokens = MAX_NEW + 20  # the kept responses now end with EOS well before their budget
+    attach_sampled_columns(data, out, "test")
+    v = virtual_replay_data(data, repeats=8, max_steps=20)
+    v = v.subset(np.asarray([p + r * data.num_prompts for r in range(8) for p in keep]))
+    c = fast_replay(v, PolicySpec(kind="static", k=20))
+    assert c.n == v.num_tokens and c.rounds > v.num_prompts  # every token emitted; rejections happened
 
 
 def test_theorem1_holds_on_the_recorded_samples(sampled):

@@ -20,7 +20,7 @@ hidden-state heads, the state after Y'_i (``mismatch_hidden``).
 One approximation, stated wherever results are reported: after the first rejection of a round
 the remaining drafted tokens follow the stored greedy continuation of Y'_i (``rollouts.length``
 steps; the draft would sample them) and, beyond it, the on-path rows i + 1, i + 2, ... as proxies
-for the off-path features. That only changes how many wasted tokens a feature-reading policy
+for the off-path features (past the end of a response, its last non-EOS row). That only changes how many wasted tokens a feature-reading policy
 drafts after a rejection; static and heuristic policies are exact.
 
 Each of the R copies is one realisation of every acceptance draw (seeded), built as greedy
@@ -127,10 +127,16 @@ def virtual_replay_data(data: ReplayData, *, repeats: int = DEFAULT_REPEATS, see
     stored = np.where(rid_old >= 0, r_lens[np.maximum(rid_old, 0)] if len(r_lens) else 0, 0)
     limit = np.minimum(max_steps, np.maximum(data.max_new_tokens - 2 - pos[rows], 0))
     stored = np.minimum(stored, limit)
-    ext = np.maximum(np.minimum(limit, ends[rows] - 1 - rows) - stored, 0)  # proxies: rows m+stored+1..
+    # Proxies: rows m+stored+1, m+stored+2, ... A response that ended with EOS before max_new_tokens
+    # has no rows past its end, yet the draft would keep drafting after a rejection there: the last
+    # non-EOS row of the response (or row m itself) stands in for those steps too.
+    ext = np.maximum(limit - stored, 0)
     lens = stored + ext
     rec_steps = _ranges(data.r_offsets[np.maximum(rid_old, 0)], stored)
-    ext_rows = _ranges(rows + stored + 1, ext)
+    last = ends - 1
+    last_plain = np.where(data.is_eos(data.token[last]), last - 1, last)
+    cap = np.maximum(last_plain[rows], rows)
+    ext_rows = np.minimum(_ranges(rows + stored + 1, ext), np.repeat(cap, ext))
     # Interleave per rollout: its stored steps, then its proxy rows.
     total = int(lens.sum())
     r_off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
