@@ -36,6 +36,18 @@ def test_one_slowed_repeat_does_not_move_the_speedup():
     assert s["rows"]["ours"]["round_seconds"] == pytest.approx(1.0)
 
 
+def test_sampled_runs_compare_time_per_token():
+    # Sampled outputs differ in length: a method that stopped at EOS after 4 tokens in 2 s is not
+    # "2.5x faster" than a baseline that ran 10 tokens in 5 s - it is as fast per token.
+    base = [[_run(5.0, [10], tokens=10)] for _ in range(4)]
+    meth = [[_run(2.0, [0, 2], tokens=4)] for _ in range(4)]
+    methods = [online.Method("target", None, "baseline"), online.Method("ours", None)]
+    meas = _measurement({"target": base, "ours": meth})
+    assert online.summarize(meas, methods, baseline="target", sampled=True)["rows"]["ours"]["speedup"][0] == (
+        pytest.approx(1.0))
+    assert online.summarize(meas, methods, baseline="target")["rows"]["ours"]["speedup"][0] == pytest.approx(2.5)
+
+
 def test_median_of_per_prompt_ratios_with_a_bootstrap_interval():
     ratios = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]
     base = [[_run(10.0, [10])] for _ in ratios]

@@ -9,7 +9,8 @@ Method (``pipeline``'s online stage and ``benchmarks/online_speedup.py`` both ru
   adds time: one repeat slowed 5-10x by a background job must not move the result), per prompt the
   ratio to the baseline
   (target alone through our decoder's own loop, ``max_draft=0``: same prefill, same cache code),
-  and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
+  (sampled runs: ratio of seconds *per token*, since each run emits its own sample of its own
+  length) and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
   prompts (resampling prompts, 2000 times);
 * ``decode`` ratios leave out each method's prompt prefill (both models' prefill for ours). The
   replay and the cost model predict exactly that phase, so predictions are compared with it:
@@ -65,6 +66,14 @@ class Run:
     @property
     def decode_seconds(self) -> float | None:
         return None if self.prefill is None else self.seconds - self.prefill
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / max(len(self.tokens), 1)
+
+    @property
+    def decode_seconds_per_token(self) -> float | None:
+        return None if self.prefill is None else self.decode_seconds / max(len(self.tokens), 1)
 
 
 @dataclass
@@ -251,14 +260,18 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
     ``sampled``: the runs are speculative *sampling* (their outputs are samples, not the target's
     greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None)."""
     base = meas.runs[baseline]
-    base_total = _per_prompt_fastest(base, "seconds")
-    base_decode = _per_prompt_fastest(base, "decode_seconds")
+    # Greedy runs emit the same tokens, so whole-call seconds compare; sampled runs emit samples of
+    # different lengths (one hits EOS after 10 tokens, another runs to the cap): time per token.
+    total_attr, decode_attr = ("seconds_per_token", "decode_seconds_per_token") if sampled else (
+        "seconds", "decode_seconds")
+    base_total = _per_prompt_fastest(base, total_attr)
+    base_decode = _per_prompt_fastest(base, decode_attr)
     base_tokens = [rs[0].tokens for rs in base]
     rows = {}
     for m in methods:
         runs = meas.runs[m.name]
-        total = _per_prompt_fastest(runs, "seconds")
-        decode = _per_prompt_fastest(runs, "decode_seconds")
+        total = _per_prompt_fastest(runs, total_attr)
+        decode = _per_prompt_fastest(runs, decode_attr)
         r_total = [b / t for b, t in zip(base_total, total)]
         row: dict[str, Any] = {"kind": m.kind, "speedup": bootstrap_median(r_total)}
         if all(d is not None for d in decode) and all(b is not None for b in base_decode):
@@ -335,7 +348,9 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
     lines = [
         f"Measured on {summary['prompts']} prompts x {summary['repeats']} repeats x {summary['max_new_tokens']} "
         f"tokens, methods interleaved per prompt after a warm-up; speedup = median over prompts of "
-        f"(baseline seconds / method seconds), [{int(100 * summary['ci'])}% bootstrap interval]; baseline: "
+        + ("(baseline s/token / method s/token: sampled outputs differ in length)" if summary.get("sampled")
+           else "(baseline seconds / method seconds)")
+        + f", [{int(100 * summary['ci'])}% bootstrap interval]; baseline: "
         f"`{summary['baseline']}`. decode = prompt prefill left out (what the replay predicts).",
         "",
         "| method | speedup | decode speedup | predicted (cost model, these runs) | replay (test split) | tokens/round | s/round measured | s/round K*t_draft+t_target(K) | greedy diffs | flag |",
