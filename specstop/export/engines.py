@@ -178,8 +178,12 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         entry = _policy(tuned, name)
         if entry is None:
             continue
-        body = {"hf": lambda e: _hf(e), "vllm": lambda e: _vllm(e, draft, target),
-                "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)), "sglang": lambda e: _sglang(e, draft, target)}[engine](entry)
+        body = {
+            "hf": lambda e: _hf(e),
+            "vllm": lambda e: _vllm(e, draft, target),
+            "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)),  # llama.cpp reads GGUF
+            "sglang": lambda e: _sglang(e, draft, target),
+        }[engine](entry)
         options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
     if engine == "hf" and hf_export is not None:
         name, folder = hf_export
