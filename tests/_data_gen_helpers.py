@@ -37,6 +37,23 @@ def records(n: int, splits=("train", "validation", "test")) -> list[Rec]:
     return [Rec(f"p{i}", TEXTS[i % len(TEXTS)] + f" #{i}", splits[i % len(splits)], i) for i in range(n)]
 
 
+def replay_data_config(*, max_new_tokens: int, batch_size: int, rollout_length: int, prompts_per_shard: int,
+                      temperature: float = 0.0):
+    """A DataGenConfig for replay tests: hidden states on, rollouts on the test split, no mixing."""
+    from specstop.data_gen.config import DataGenConfig
+
+    cfg = DataGenConfig()
+    cfg.generation.max_new_tokens = max_new_tokens
+    cfg.generation.temperature = temperature
+    cfg.generation.batch_size = batch_size
+    cfg.labels.hidden_states = True
+    cfg.labels.rollouts.splits = ["test"]
+    cfg.labels.rollouts.length = rollout_length
+    cfg.labels.mixing.splits = []
+    cfg.prompts_per_shard = prompts_per_shard
+    return cfg
+
+
 def make_render(tokenizer):
     def render(text: str) -> list[int]:
         out = tokenizer.apply_chat_template(

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
 from specstop.eval.episodes import load_replay_data
@@ -24,7 +23,7 @@ from specstop.models import build_predictor
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 from specstop.testing import tiny_pair
-from tests._data_gen_helpers import make_render, records
+from tests._data_gen_helpers import make_render, records, replay_data_config
 
 MAX_NEW = 24
 _DATA_DIR: dict = {}  # the module fixture's dataset folder
@@ -35,14 +34,7 @@ def setup(tmp_path_factory):
     torch.set_num_threads(1)
     pair = tiny_pair(seed=3)
     out = tmp_path_factory.mktemp("replay_vs_decoder") / "data"
-    cfg = DataGenConfig()
-    cfg.generation.max_new_tokens = MAX_NEW
-    cfg.generation.batch_size = 3
-    cfg.labels.hidden_states = True
-    cfg.labels.rollouts.splits = ["test"]
-    cfg.labels.rollouts.length = 20
-    cfg.labels.mixing.splits = []
-    cfg.prompts_per_shard = 3
+    cfg = replay_data_config(max_new_tokens=MAX_NEW, batch_size=3, rollout_length=20, prompts_per_shard=3)
     recs = records(6, splits=("test",))
     generate_dataset(pair, recs, cfg, out, render=make_render(pair.tokenizer), progress=False)
     _DATA_DIR["path"] = out

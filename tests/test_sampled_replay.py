@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
 from specstop.eval.episodes import from_arrays, load_replay_data
@@ -25,7 +24,7 @@ from specstop.export.runtime import StoppingPolicy
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 from specstop.testing import tiny_pair
-from tests._data_gen_helpers import make_render, records
+from tests._data_gen_helpers import make_render, records, replay_data_config
 
 MAX_NEW = 12
 T = 1.0
@@ -36,15 +35,8 @@ def sampled(tmp_path_factory):
     torch.set_num_threads(1)
     pair = tiny_pair(seed=7, noise=0.35)  # a draft far enough from the target to be rejected often
     out = tmp_path_factory.mktemp("sampled") / "data"
-    cfg = DataGenConfig()
-    cfg.generation.max_new_tokens = MAX_NEW
-    cfg.generation.temperature = T
-    cfg.generation.batch_size = 8
-    cfg.labels.hidden_states = True
-    cfg.labels.rollouts.splits = ["test"]
-    cfg.labels.rollouts.length = 3
-    cfg.labels.mixing.splits = []
-    cfg.prompts_per_shard = 16
+    cfg = replay_data_config(max_new_tokens=MAX_NEW, temperature=T, batch_size=8, rollout_length=3,
+                            prompts_per_shard=16)
     recs = records(48, splits=("test",))
     generate_dataset(pair, recs, cfg, out, render=make_render(pair.tokenizer), progress=False)
     seqs = load_table(out, "sequences", "test")

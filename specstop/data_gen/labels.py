@@ -29,6 +29,7 @@ from specstop.probs import (
     accept_probability,
     entropy,
     logits_to_probs,
+    residual_distribution,
     top_k_probs,
     tv_distance,
 )
@@ -198,9 +199,7 @@ def teacher_labels(
         if decoding.greedy:
             rej = d_arg
         else:
-            rej = sample_from_uniform(
-                (q - p).clamp_min(0.0) + 1e-30 * (q > 0), u_reject[s:e].to(dev).float()
-            )
+            rej = sample_from_uniform(residual_distribution(q, p), u_reject[s:e].to(dev).float())
         cols["reject_token"].append(rej)
         cols["reject_draft_prob"].append(q.gather(-1, rej.long().unsqueeze(-1)).squeeze(-1))
         del q, p

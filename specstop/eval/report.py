@@ -26,6 +26,7 @@ from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData
 from specstop.eval.pearl import pearl_replay
 from specstop.eval.replay import Counts, oracle_lengths
+from specstop.eval.sampled import APPROXIMATION, per_copy_latency, spread
 from specstop.eval.segments import build_layout, fast_replay, sweep
 from specstop.eval.tune import max_sl_supported, pareto_points
 from specstop.policy import DEFAULT_SL_MAX, PolicySpec
@@ -73,6 +74,7 @@ def aligned_scores(data, key: str) -> np.ndarray | None:
     out[mm] = mm_scores
     return out
 
+
 def build_report(
     data: ReplayData,
     tuned: dict,
@@ -111,8 +113,6 @@ def build_report(
                 )
             m = fast_replay(data, spec, layout).metrics(cost.for_policy(spec))
             if sampled:
-                from specstop.eval.sampled import per_copy_latency, spread
-
                 m["latency_spread"] = spread(per_copy_latency(data, spec, cost.for_policy(spec)))
         except (KeyError, ValueError) as err:
             skipped_rows[name] = f"{type(err).__name__}: {err}"
@@ -178,38 +178,38 @@ def build_report(
 
     figures = {}
     extras = {}
-    if True:  # greedy and sampled (realisations in greedy form) alike
-        static_pts = [
-            {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost.for_policy("static"))}
-            for k in range(1, cap20 + 1)
-        ]
-        sweeps, tuned_pts = {}, {}
-        for name, r in rows.items():
-            spec = r.get("spec")
-            if (
-                spec
-                and spec.get("kind") in ("predictor", "confidence")
-                and not name.endswith("_beta0.4")
-                and name != "confidence_0.4"
-            ):
-                ps = PolicySpec.from_dict(spec)
-                sweeps[name] = pareto_points(sweep(data, ps, layout))
-                tuned_pts[name] = r
-        others = {k: rows[k] for k in ("oracle", "dynheur", "pearl") if k in rows}
-        figures["pareto"] = plots.pareto_plot(
-            out_dir / "pareto.png", static_pts, sweeps, tuned_pts, others
-        ).name
-        lens = oracle_lengths(data)
-        extras["oracle_sl"] = {
-            "mean": float(lens.mean()) if len(lens) else None,
-            "std": float(lens.std()) if len(lens) else None,
-            "rounds": int(len(lens)),
-        }
-        figures["oracle_hist"] = plots.oracle_histogram(out_dir / "oracle_sl_hist.png", lens).name
-        extras["static_curve"] = [
-            {k: p[k] for k in ("k", "latency_per_token", "verification_rate", "discard_rate")}
-            for p in static_pts
-        ]
+    # Greedy and sampled data (realisations in greedy form) alike: static curve, Pareto, oracle SL.
+    static_pts = [
+        {"k": k, **fast_replay(data, PolicySpec(kind="static", k=k), layout).metrics(cost.for_policy("static"))}
+        for k in range(1, cap20 + 1)
+    ]
+    sweeps, tuned_pts = {}, {}
+    for name, r in rows.items():
+        spec = r.get("spec")
+        if (
+            spec
+            and spec.get("kind") in ("predictor", "confidence")
+            and not name.endswith("_beta0.4")
+            and name != "confidence_0.4"
+        ):
+            ps = PolicySpec.from_dict(spec)
+            sweeps[name] = pareto_points(sweep(data, ps, layout))
+            tuned_pts[name] = r
+    others = {k: rows[k] for k in ("oracle", "dynheur", "pearl") if k in rows}
+    figures["pareto"] = plots.pareto_plot(
+        out_dir / "pareto.png", static_pts, sweeps, tuned_pts, others
+    ).name
+    lens = oracle_lengths(data)
+    extras["oracle_sl"] = {
+        "mean": float(lens.mean()) if len(lens) else None,
+        "std": float(lens.std()) if len(lens) else None,
+        "rounds": int(len(lens)),
+    }
+    figures["oracle_hist"] = plots.oracle_histogram(out_dir / "oracle_sl_hist.png", lens).name
+    extras["static_curve"] = [
+        {k: p[k] for k in ("k", "latency_per_token", "verification_rate", "discard_rate")}
+        for p in static_pts
+    ]
     label = data.greedy_match.astype(float)  # sampled: the realised acceptance draws
     cal = {}
     for name in predictors:
@@ -229,8 +229,6 @@ def build_report(
         ).name
         extras["calibration"] = cal
     if sampled:
-        from specstop.eval.sampled import APPROXIMATION
-
         extras["theorem1"] = getattr(data, "theorem1", None)
         extras["sampled_replay"] = {"repeats": data.virtual_repeats, "approximation": APPROXIMATION,
                                     "rows_without_rejection_rollout": data.missing_rejection_rollouts}

@@ -17,6 +17,7 @@ import torch
 from specstop.errors import UserError
 from specstop.eval.episodes import ReplayData
 from specstop.pair.identity import check_same_pair
+from specstop.train.mapped import previous_row_index
 
 BATCH = 65536
 
@@ -76,11 +77,12 @@ def score_split(data: ReplayData, data_dir: str | Path, split: str, key: str, pr
     pos = tok["position"][order].astype(np.int64)
     state = None
     if spec.reads_state:
-        # The state that produced q_i is the one after X_{i-1}: the previous row (rows are in
-        # (prompt, position) order here); position 0 gets zeros (FeatureSpec.with_state).
+        # The state that produced q_i is the one after X_{i-1}: the previous row of the same response
+        # (the one rule training uses, train.mapped.previous_row_index); position 0 gets zeros.
         hid = tok["hidden"][order]
+        prev = previous_row_index(np.repeat(np.arange(data.num_prompts), data.lengths), pos)
         state = np.zeros_like(hid)
-        state[1:] = hid[:-1]
+        state[prev >= 0] = hid[prev[prev >= 0]]
         state = torch.from_numpy(state)
     x = spec.build(
         topk=torch.from_numpy(tok["topk"][order]),
