@@ -9,7 +9,7 @@ from specstop.eval.pearl import pearl_replay
 from specstop.eval.replay import RolloutTooShortError, replay
 from specstop.eval.segments import build_layout, fast_replay
 from specstop.eval.synthetic import random_replay_data
-from specstop.policy import PolicySpec
+from specstop.policy import PolicySpec, RoundPolicy
 
 EOS = 99
 
@@ -31,6 +31,21 @@ def test_static_hand_built():
     assert _counts(c) == (10, 4, 3 + 3 + 2 + 1, 2 + 3 + 0 + 1)
     assert c.discarded == 1 + 2
     assert _counts(fast_replay(d, PolicySpec(kind="static", k=3))) == _counts(c)
+
+
+def test_a_policy_factory_replays_a_custom_rule_shape():
+    # A rule that stops at the round's 2nd token replays exactly as static K=2; the stock policy
+    # is the default, so a confidence spec still replays as confidence.
+    class StopAtTwo(RoundPolicy):
+        def should_stop(self, step):
+            return step.j >= 2
+
+    d = random_replay_data(n_prompts=6, tokens=40, seed=3)
+    custom = replay(d, PolicySpec(kind="confidence", threshold=0.9), make_policy=StopAtTwo)
+    assert _counts(custom) == _counts(replay(d, PolicySpec(kind="static", k=2)))
+    conf = PolicySpec(kind="confidence", threshold=0.9)
+    assert _counts(replay(d, conf)) == _counts(replay(d, conf, make_policy=RoundPolicy))
+    assert _counts(replay(d, conf)) != _counts(custom)
 
 
 def test_oracle_hand_built_and_eos():

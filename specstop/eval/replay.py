@@ -155,8 +155,14 @@ def score_key(spec: PolicySpec) -> str | None:
     return spec.extra.get("scores") or spec.family
 
 
-def replay(data: ReplayData, spec: PolicySpec, *, trace: ReplayTrace | None = None, prompts=None) -> Counts:
-    """Replay every prompt (or the given prompt indices) step by step; return summed counters."""
+def replay(
+    data: ReplayData, spec: PolicySpec, *, trace: ReplayTrace | None = None, prompts=None, make_policy=RoundPolicy
+) -> Counts:
+    """Replay every prompt (or the given prompt indices) step by step; return summed counters.
+
+    ``make_policy(spec)`` builds the per-round state machine: :class:`RoundPolicy` for every shipped
+    rule; analyses pass a subclass to replay a rule shape before it becomes a ``PolicySpec`` kind.
+    """
     total = Counts()
     key = score_key(spec)
     if key is not None and key not in data.row_scores:
@@ -164,11 +170,13 @@ def replay(data: ReplayData, spec: PolicySpec, *, trace: ReplayTrace | None = No
             f"no predictor scores {key!r} in the replay data (have: {sorted(data.row_scores)}); score it first"
         )
     for p in range(data.num_prompts) if prompts is None else prompts:
-        total.add(replay_prompt(data, int(p), spec, trace=trace))
+        total.add(replay_prompt(data, int(p), spec, trace=trace, make_policy=make_policy))
     return total
 
 
-def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTrace | None = None) -> Counts:
+def replay_prompt(
+    data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTrace | None = None, make_policy=RoundPolicy
+) -> Counts:
     """Step-by-step replay of prompt ``p`` (see module docstring for the exact rules)."""
     o = int(data.offsets[p])
     n_tok = int(data.offsets[p + 1]) - o
@@ -178,7 +186,7 @@ def replay_prompt(data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTr
     reads = spec.reads if key is None else data.score_reads.get(key, spec.reads)
     row_sc = data.row_scores.get(key) if key else None
     out = Counts(prompts=1)
-    policy = RoundPolicy(spec)
+    policy = make_policy(spec)
     s = 0
     while s < n_tok:
         remaining = data.max_new_tokens - s
