@@ -49,10 +49,12 @@ import numpy as np
 from stopping_headroom import auroc
 
 from specstop.data_gen.readback import load_split_tensors
+from specstop.errors import UserError
 from specstop.eval.cost import load_cost_model
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.replay import replay
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
+from specstop.eval.tune import check_sl_max, max_sl_supported
 from specstop.policy import PolicySpec, RoundPolicy
 
 RUN_CAP = 16  # longer match runs carry no extra signal and would dominate the scale
@@ -126,6 +128,8 @@ class ShapedRule(RoundPolicy):
         if step.j >= self.cap():
             return True
         s = step.top1 if self.use_top1 else step.score
+        if s is None:  # hidden-state predictors have no score for token 1 (as in RoundPolicy)
+            return False
         self._cum *= s
         return s < self.tau + self.slope * (step.j - 1) or self._cum < self.c
 
@@ -165,8 +169,9 @@ def rule_shapes(datasets: dict, scores: list[str], cost, sl_max_grid: list[int])
     return out
 
 
-def static_opt(datasets: dict, cost, ks=range(1, 13)) -> dict:
-    """Static SL-opt: the K fastest on validation, and its speedup on every dataset."""
+def static_opt(datasets: dict, cost, k_max: int = 12) -> dict:
+    """Static SL-opt: the K <= ``k_max`` fastest on validation, and its speedup on every dataset."""
+    ks = range(1, k_max + 1)
 
     def m(data, k):
         spec = PolicySpec(kind="static", k=k)
@@ -236,7 +241,16 @@ def main(argv=None) -> int:
         if skipped:
             raise SystemExit(f"could not score {name}: {skipped}")
     cost = load_cost_model(args.cost)
-    static = static_opt(datasets, cost)
+    # Rounds may not draft past the stored rollouts of any split (they end where labelling stopped).
+    caps = [c for c in (max_sl_supported(d) for d in datasets.values()) if c is not None]
+    cap = min(caps, default=max(args.sl_max))
+    try:
+        for sl in args.sl_max:
+            for d in datasets.values():
+                check_sl_max(d, sl)
+    except ValueError as err:
+        raise SystemExit(f"--sl-max: {err}") from None
+    static = static_opt(datasets, cost, min(12, cap))
     print(f"Static SL-opt K={static['k']}: " + "  ".join(f"{k[:-8]} {v:.3f}x" for k, v in static.items() if k != "k"))
     print("rule shapes (tuned on validation):", flush=True)
     shapes = rule_shapes(datasets, [TOP1, *checkpoints], cost, args.sl_max)
@@ -249,4 +263,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as err:  # bad input: one line, like the CLI
+        raise SystemExit(f"stopping_ceiling: error: {err}") from None
