@@ -32,15 +32,16 @@ import sys
 from pathlib import Path
 
 
-def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list[int]], int]:
-    """Rendered prompt ids of a dataset split and its max_new_tokens."""
+def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list[int]], int, list[str]]:
+    """Rendered prompt ids of a dataset split, its max_new_tokens and the prompts' ids (names)."""
     from specstop.data_gen.storage import load_table, read_manifest
 
     seqs = load_table(data, "sequences", split)
     if len(seqs) == 0:
         raise SystemExit(f"{data} has no {split} prompts")
     ids = [list(r) for r in seqs["prompt_ids"]][: limit or None]
-    return ids, int(read_manifest(data)["generation"]["max_new_tokens"])
+    names = [str(p) for p in seqs["prompt_id"]][: len(ids)]
+    return ids, int(read_manifest(data)["generation"]["max_new_tokens"]), names
 
 
 def text_prompts(args, tokenizer) -> list[list[int]]:
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
                     help="also HF's defaults and the target alone on a second copy of the pair loaded with plain "
                     "from_pretrained, without specstop's fast paths (what stock transformers users get)")
     ap.add_argument("--hf-policies", action="store_true", help="HF assisted generation driven by each --policy")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (--data), else 64")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="default: the dataset's (--data; at most that, so the replay of the same prompts applies), else 64")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
 
+    from specstop.data_gen.storage import read_manifest
     from specstop.eval import online
     from specstop.export.decoder import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
@@ -115,8 +118,9 @@ def main(argv=None) -> int:
     from specstop.probs import DecodingConfig
 
     pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
+    names = None
     if args.data:
-        prompts, max_new = dataset_prompts(args.data, args.split, args.limit)
+        prompts, max_new, names = dataset_prompts(args.data, args.split, args.limit)
     else:
         prompts, max_new = text_prompts(args, pair.tokenizer), 64
     max_new = args.max_new_tokens or max_new
@@ -133,8 +137,15 @@ def main(argv=None) -> int:
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
     if args.hf_target:
         methods.append(online.hf_target_method("target (HF generate)", pair))
-    for text in args.policy or ["static:4"]:
-        name, pol = load_policy(text, pair, tuned)
+    loaded = [(text, *load_policy(text, pair, tuned)) for text in args.policy or ["static:4"]]
+    same = {}
+    greedy_data = names is not None and not float(read_manifest(args.data)["generation"].get("temperature") or 0.0)
+    if greedy_data and cost is not None:
+        from specstop.eval.same_prompts import replay_policies
+
+        # The replay of exactly these prompts at this budget: the like-for-like prediction.
+        same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in loaded}, cost)
+    for text, name, pol in loaded:
         replay = None
         if replay_rows:
             from specstop.eval.report import row_key_for_policy
@@ -144,7 +155,8 @@ def main(argv=None) -> int:
             key = row_key_for_policy(replay_rows, lookup)
             replay = replay_rows[key].get("speedup") if key else None
         dec = SpeculativeDecoder(pair, pol, DecodingConfig(), **kw)
-        methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay))
+        methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
+                                             same_prompts=same.get(name)))
         if args.hf_policies:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     if args.hf_default:

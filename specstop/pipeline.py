@@ -362,16 +362,19 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     from specstop.eval import online
     from specstop.eval.cost import load_cost_model
     from specstop.eval.report import row_key_for_policy
+    from specstop.eval.same_prompts import replay_policies
     from specstop.export.decoder import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
     from specstop.pair.registry import load_named_pair
     from specstop.policy import PolicySpec
     from specstop.probs import DecodingConfig
 
-    seqs = load_table(data_dir, "sequences", "test")
+    split = "test"
+    seqs = load_table(data_dir, "sequences", split)
     if len(seqs) == 0:
-        seqs = load_table(data_dir, "sequences")
+        split, seqs = None, load_table(data_dir, "sequences")
     prompts = [list(seqs[i]["prompt_ids"]) for i in range(min(cfg.online_prompts, len(seqs)))]
+    prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
     gen = read_manifest(data_dir)["generation"]
     max_new = cfg.online_max_new_tokens or int(gen["max_new_tokens"])
     tuned = json.loads(Path(tuned_path).read_text())
@@ -388,18 +391,22 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
         key = row_key_for_policy(rows, name)
         return rows[key].get("speedup") if key else None
 
-    methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), greedy),
-                                     max_draft=0, kind="baseline")]
     export = StoppingPolicy.from_pretrained(str(export_dir), draft_identity=pair.draft_identity,
                                             tokenizer_hash=pair.tokenizer_hash, device=pair.draft_device)
-    methods.append(online.decoder_method(f"export {export.label}", SpeculativeDecoder(pair, export, greedy),
-                                         spec=export.spec, replay_speedup=replay_of(export.config.get("name") or "")))
+    policies = {f"export {export.label}": (export, export.config.get("name") or "")}
     for name in ("static_opt", "confidence_opt"):
         if name in tuned.get("policies", {}) and name != export.config.get("name"):
             spec = PolicySpec.from_dict(tuned["policies"][name]["spec"])
-            methods.append(online.decoder_method(f"{name} ({spec.label})",
-                                                 SpeculativeDecoder(pair, StoppingPolicy.from_spec(spec), greedy),
-                                                 spec=spec, replay_speedup=replay_of(name)))
+            policies[f"{name} ({spec.label})"] = (StoppingPolicy.from_spec(spec), name)
+    same = {}
+    if split is not None and decoding.greedy and max_new <= int(gen["max_new_tokens"]):
+        # The like-for-like prediction: the replay of exactly these prompts at this budget.
+        same = replay_policies(data_dir, split, prompt_names, max_new, {k: p for k, (p, _) in policies.items()}, cost)
+    methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), greedy),
+                                     max_draft=0, kind="baseline")]
+    for label, (pol, tuned_name) in policies.items():
+        methods.append(online.decoder_method(label, SpeculativeDecoder(pair, pol, greedy), spec=pol.spec,
+                                             replay_speedup=replay_of(tuned_name), same_prompts=same.get(label)))
     if cfg.online_hf_default and decoding.greedy:
         methods.append(online.hf_assisted_method("HF assisted (defaults)", pair))
     meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats)

@@ -96,6 +96,10 @@ def test_pipeline_runs_reuses_and_resumes(pipeline_config, tmp_path, monkeypatch
     exp = next(r for n, r in online["rows"].items() if n.startswith("export"))
     lo_hi = exp["decode_speedup"]
     assert lo_hi[1] <= lo_hi[0] <= lo_hi[2] and "predicted_decode_speedup" in exp and "predicted_round_seconds" in exp
+    # The replay of the same prompts at the online budget (12 < the dataset's) has the decoder's rounds.
+    for n, r in online["rows"].items():
+        if n != "target" and not n.startswith("HF"):
+            assert r["rounds_as_replayed"] == online["prompts"] and r["replay_same_prompts"] > 0, (n, r)
     report = json.loads((run_dir / "report.json").read_text())
     assert "oracle" in report["eval"]["rows"]
     cost = json.loads((run_dir / "cost.json").read_text())

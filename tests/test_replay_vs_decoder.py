@@ -130,3 +130,60 @@ def test_state_head_reads_the_producing_state(setup):
     later = np.setdiff1d(np.arange(data.num_tokens), pos0)
     assert diff[pos0].max() < 1e-6
     assert diff[later].max() > 0.1
+
+
+def test_online_check_replays_the_same_prompts_round_for_round(setup):
+    """The online check's like-for-like prediction (same prompts, budget cut below the dataset's,
+    the export's own predictor scoring the split) has the decoder's rounds on every prompt, and its
+    speedup is the cost model priced on exactly those rounds."""
+    from specstop.eval import online
+    from specstop.eval.cost import CostModel
+    from specstop.eval.same_prompts import replay_policies
+
+    pair, data, prompt_ids, predictors = setup
+    budget = MAX_NEW - 7  # cut responses: rounds near the new end are capped as the decoder caps them
+    names = [str(p) for p in data.prompt_ids[::-1]]  # an order other than the split's
+    specs = {s.label: s for s in _policies(data, predictors) if s.extra.get("scores") is None}
+    policies = {label: StoppingPolicy.from_spec(s, predictors.get(s.family) if s.kind == "predictor" else None)
+                for label, s in specs.items()}
+    cost = CostModel(t_draft=0.02, t_target=0.1, target_by_k={0: 0.1, 1: 0.12, 8: 0.15, 16: 0.2},
+                     policy_per_step={"confidence": 0.001, "disco_ffn": 0.002})
+    same = replay_policies(_DATA_DIR["path"], "test", names, budget, policies, cost)
+    methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"),
+                                                                  DecodingConfig()), max_draft=0, kind="baseline")]
+    methods += [online.decoder_method(label, SpeculativeDecoder(pair, pol, DecodingConfig()), spec=pol.spec,
+                                      same_prompts=same[label]) for label, pol in policies.items()]
+    meas = online.measure([prompt_ids[n] for n in names], methods, max_new_tokens=budget, repeats=1)
+    summary = online.summarize(meas, methods, baseline="target", cost=cost)
+    for label in policies:
+        row = summary["rows"][label]
+        assert row["rounds_as_replayed"] == len(names), label
+        assert same[label].tokens == [len(rs[0].tokens) for rs in meas.runs[label]], label
+        # Same rounds, same pricing, same statistic: the replay is the cost model's prediction.
+        assert row["replay_same_prompts"] == pytest.approx(row["predicted_decode_speedup"]), label
+    assert max(max(len(h) for h in s.k_hists) for s in same.values()) > 2  # rounds of several lengths
+    assert "replay (these prompts)" in online.to_markdown(summary)
+
+
+def test_same_prompts_budget_above_the_dataset_is_refused(setup):
+    from specstop.eval.same_prompts import load_for_prompts
+
+    _pair, data, _ids, _pred = setup
+    with pytest.raises(ValueError, match="dataset's budget"):
+        load_for_prompts(_DATA_DIR["path"], "test", [str(data.prompt_ids[0])], MAX_NEW + 1)
+    with pytest.raises(KeyError, match="no prompt"):
+        load_for_prompts(_DATA_DIR["path"], "test", ["no-such-prompt"], MAX_NEW)
+
+
+def test_heuristic_schedule_starts_over_for_each_sequence(setup):
+    """One decoder reused across prompts (as every benchmark and server does) decodes a prompt the same
+    whatever it decoded before: the heuristic schedule does not leak from one sequence to the next."""
+    pair, data, prompt_ids, _pred = setup
+    spec = PolicySpec(kind="heuristic", start=2)
+    dec = SpeculativeDecoder(pair, StoppingPolicy.from_spec(spec), DecodingConfig())
+    first, other = (prompt_ids[str(p)] for p in data.prompt_ids[:2])
+    before = dec.generate(first, max_new_tokens=MAX_NEW).round_lengths
+    dec.generate(other, max_new_tokens=MAX_NEW)
+    trace = ReplayTrace()
+    replay_prompt(data, 0, spec, trace=trace)
+    assert list(dec.generate(first, max_new_tokens=MAX_NEW).round_lengths) == list(before) == list(trace.k)

@@ -133,10 +133,23 @@ class ReplayData:
         self.mismatch_scores[key] = np.asarray(mismatch, dtype=np.float64)
         self.score_reads[key] = reads
 
-    def subset(self, prompts: np.ndarray) -> ReplayData:
-        """A new ReplayData with only the given prompt indices (in the given order)."""
+    def subset(self, prompts: np.ndarray, *, max_new_tokens: int | None = None) -> ReplayData:
+        """A new ReplayData with only the given prompt indices (in the given order).
+
+        Args:
+            prompts: [P'] prompt indices.
+            max_new_tokens: cut every response to its first ``max_new_tokens`` rows and replay with that
+                budget (what a decoder asked for fewer tokens than the dataset generated emits: greedy
+                decoding is a prefix of the longer run). Default: the dataset's own budget.
+
+        Raises:
+            ValueError: ``max_new_tokens`` above the dataset's (the tokens after it were never recorded).
+        """
         prompts = np.asarray(prompts, dtype=np.int64)
-        lens = self.lengths[prompts]
+        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if not 1 <= budget <= self.max_new_tokens:
+            raise ValueError(f"max_new_tokens must be in 1..{self.max_new_tokens} (the dataset's budget), got {budget}")
+        lens = np.minimum(self.lengths[prompts], budget)
         rows = _ranges(self.offsets[prompts], lens)
         rids_old = self.rollout_of_row[rows]
         has = rids_old >= 0
@@ -148,7 +161,7 @@ class ReplayData:
         out = ReplayData(
             prompt_ids=self.prompt_ids[prompts],
             offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=budget,
             eos_token_ids=self.eos_token_ids,
             greedy_match=self.greedy_match[rows],
             token=self.token[rows],

@@ -227,6 +227,7 @@ class SpeculativeDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
+        policy.start_sequence()
         max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2
         if self.static_cache and max_len > self.max_cache_len:
             raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds max_cache_len={self.max_cache_len}")

@@ -446,6 +446,7 @@ def model_card(config: dict) -> str:
         "```python",
         "from specstop.export.runtime import StoppingPolicy",
         "policy = StoppingPolicy.from_pretrained(REPO_OR_DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
+        "policy.start_sequence()            # each new sequence",
         "policy.reset()                     # each round",
         "stop = policy.should_stop(draft_logits, draft_hidden_prev, position)",
         "policy.end_round(num_drafted, num_accepted)",

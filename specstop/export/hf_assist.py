@@ -79,6 +79,7 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
         # The parent filters the processors into a plain list; make it callable again.
         self.logits_processor = LogitsProcessorList(self.logits_processor)
         self.policy = policy
+        self.policy.start_sequence()  # HF builds one candidate generator per generate() call
         # Our drafting loop keeps one logit row of a multi-token catch-up feed; without this a CPU
         # copies the whole output head per call (see specstop.pair.fast_paths). Exact: same logits.
         contiguous_output_head(self.assistant_model)

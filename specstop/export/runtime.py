@@ -11,7 +11,7 @@ Imports: only torch, safetensors, huggingface_hub, the standard library and ``sp
 ``ModelHubMixin``: ``from_pretrained`` takes an export folder or a hub id, ``save_pretrained`` /
 ``push_to_hub`` write and upload the same folder layout ``specstop export`` writes.
 
-Per round (batch size 1)::
+Per sequence, ``policy.start_sequence()``; then per round (batch size 1)::
 
     policy.reset()
     for j in 1, 2, ...:
@@ -432,6 +432,13 @@ class StoppingPolicy(
         return torch.sigmoid(self.predictor(x.float())).float()
 
     # ------------------------------------------------------------------ batch size 1
+    def start_sequence(self) -> None:
+        """Start of a new sequence (each ``generate`` call): state carried across rounds - the heuristic
+        schedule - starts over from the spec, so a sequence decodes the same whatever came before it
+        (as replay assumes, and as interleaved benchmarks need)."""
+        self._round = make_round_policy(self.spec)
+        self.reset()
+
     def reset(self) -> None:
         """Start of a round."""
         self._round.reset()
