@@ -14,8 +14,10 @@ Methods (greedy):
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
 end and decode-only), tokens per round, measured seconds per round beside the cost model's
 K * t_draft + t_target(K) for the same rounds (--cost), the cost model's prediction from the run's own
-K histogram, the eval report's replay prediction (--replay-report), flags where measured and predicted
-differ by more than 10%, and every greedy difference from the target with its top-2 logit gap.
+K histogram, the replay of the same prompts at the same budget (--data with --cost; its rounds compared
+K for K with the decoder's), the eval report's whole-split replay (--replay-report, shown only), every
+method against --reference paired per prompt beside the replay's paired ratio, flags where measured and
+predicted differ by more than 10%, and every greedy difference from the target with its top-2 logit gap.
 
 Example (the reference pair, this machine's calibration, a dataset's held-out prompts):
     specstop calibrate-cost --pair qwen2.5-coder-0.5b-1.5b --data runs/quickstart/data --out cost.json
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--static-cache", action="store_true", help="our decoder with a static KV cache")
     ap.add_argument("--compile", action="store_true", help="our decoder compiled (implies --static-cache)")
+    ap.add_argument("--reference", help="one of the --policy values every other is also compared with, paired per "
+                    "prompt (default: tuned:static_opt when given)")
     ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
     ap.add_argument("--cost", help="cost model (cost.json from `specstop calibrate-cost`, or a preset)")
     ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
@@ -145,6 +149,10 @@ def main(argv=None) -> int:
 
         # The replay of exactly these prompts at this budget: the like-for-like prediction.
         same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in loaded}, cost)
+    ref_text = args.reference or ("tuned:static_opt" if "tuned:static_opt" in (args.policy or []) else None)
+    reference = next((f"ours {name}" for text, name, _ in loaded if text == ref_text), None)
+    if ref_text and reference is None:
+        raise SystemExit(f"--reference {ref_text} is not one of the --policy values")
     for text, name, pol in loaded:
         replay = None
         if replay_rows:
@@ -171,7 +179,7 @@ def main(argv=None) -> int:
                                                  schedule="heuristic", confidence=None))
     meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats)
     flips = online.greedy_flips(pair, prompts, meas, "target")
-    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips)
+    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference)
     print()
     print(f"pair {pair.name}: {pair.target_identity.dtype} ({pair.dtype_record().get('reason')}), "
           f"device {pair.target_device}")

@@ -411,8 +411,9 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
         methods.append(online.hf_assisted_method("HF assisted (defaults)", pair))
     meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats)
     flips = online.greedy_flips(pair, prompts, meas, "target") if decoding.greedy else []
+    static = next((m.name for m in methods if m.name.startswith("static_opt")), None)
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips,
-                               sampled=not decoding.greedy)
+                               sampled=not decoding.greedy, reference=static)
     summary.update({"policy": str(export_dir), "dtype": pair.dtype_record(), "cost_model": cost.name,
                     "cost_provenance": cost.provenance_line(), "markdown": online.to_markdown(summary)})
     atomic_write_json(out_path, summary)

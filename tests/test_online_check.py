@@ -97,3 +97,37 @@ def test_methods_run_interleaved_after_a_warm_up():
     for i in range(0, len(timed), 2):
         assert {timed[i][0], timed[i + 1][0]} == {"a", "b"}
     assert all(len(rs) == 2 for rs in meas.runs["a"])
+
+
+def test_paired_comparison_with_a_reference_cancels_prompt_difficulty():
+    # Prompts differ 3x in difficulty, so each method's speedup over the target spreads widely, but
+    # "learned" is 10% faster than "static" on every prompt: the paired ratio says so exactly.
+    from specstop.eval.same_prompts import SamePromptsReplay
+
+    hard = [1.0, 1.5, 2.0, 2.5, 3.0, 1.2, 2.2, 2.8]
+    base = [[_run(10.0, [10])] for _ in hard]
+    static = [[_run(3.0 * h, [0, 0, 2])] for h in hard]
+    learned = [[_run(3.0 * h / 1.1, [0, 0, 0, 2])] for h in hard]
+    far = [[_run(3.0 * h / 1.1, [0, 0, 0, 2])] for h in hard]
+
+    def replay(ratio: float) -> SamePromptsReplay:
+        per = [ratio / h for h in hard]
+        return SamePromptsReplay(float(np.median(per)), [[0, 0, 2]] * len(hard), [10] * len(hard), per)
+
+    methods = [online.Method("target", None, "baseline"), online.Method("static", None, same_prompts=replay(3.0)),
+               online.Method("learned", None, same_prompts=replay(3.3)),
+               online.Method("far", None, same_prompts=replay(4.5))]
+    s = online.summarize(_measurement({"target": base, "static": static, "learned": learned, "far": far}), methods,
+                         baseline="target", reference="static")
+    spread = s["rows"]["learned"]["speedup"]
+    assert spread[2] - spread[1] > 0.3  # against the target: wide
+    med, lo, hi = s["rows"]["learned"]["vs_reference"]
+    assert med == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    assert s["rows"]["learned"]["vs_reference_predicted"] == pytest.approx(1.1)
+    assert not any("vs static" in f for f in s["rows"]["learned"]["flags"])
+    assert any("vs static" in f for f in s["rows"]["far"]["flags"])  # replay said 1.5x, measured 1.1x
+    assert "vs_reference" not in s["rows"]["static"]
+    assert "Against `static`, paired per prompt" in online.to_markdown(s)
+    with pytest.raises(ValueError, match="reference method"):
+        online.summarize(_measurement({"target": base, "static": static}), methods[:2], baseline="target",
+                         reference="nope")

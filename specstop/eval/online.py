@@ -257,11 +257,16 @@ def _per_prompt_fastest(runs: list[list[Run]], attr: str) -> list[float | None]:
 
 
 def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=None,
-              tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None, sampled: bool = False) -> dict:
+              tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None, sampled: bool = False,
+              reference: str | None = None) -> dict:
     """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags.
 
     ``sampled``: the runs are speculative *sampling* (their outputs are samples, not the target's
-    greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None)."""
+    greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None).
+    ``reference``: a method every other is also compared with *paired per prompt* (e.g. Static
+    SL-opt): the median over prompts of reference decode time / method decode time, with its bootstrap
+    interval, beside the same statistic of the same-prompts replay. Two methods' intervals against
+    the target overlap whenever prompts differ in difficulty; the paired ratio cancels that."""
     base = meas.runs[baseline]
     # Greedy runs emit the same tokens, so whole-call seconds compare; sampled runs emit samples of
     # different lengths (one hits EOS after 10 tokens, another runs to the cap): time per token.
@@ -328,10 +333,37 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
                              f"({100 * (meas_dec / p - 1):+.0f}%)")
         row["flags"] = flags
         rows[m.name] = row
-    return {"baseline": baseline, "prompts": meas.prompts, "repeats": meas.repeats,
+    if reference is not None:
+        _paired_with_reference(meas, methods, rows, reference, decode_attr, tolerance)
+    return {"baseline": baseline, "reference": reference, "prompts": meas.prompts, "repeats": meas.repeats,
             "max_new_tokens": meas.max_new_tokens, "seconds": meas.seconds, "tolerance": tolerance,
             "ci": CI, "rows": rows, "flips": flips or [], "sampled": sampled,
             "all_identical": None if sampled else all(r["greedy_diffs"] == 0 for r in rows.values())}
+
+
+def _paired_with_reference(meas: Measurement, methods: list[Method], rows: dict, reference: str, attr: str,
+                           tolerance: float) -> None:
+    """Adds ``vs_reference`` ([median, lo, hi] of per-prompt reference / method decode time) and, where
+    both have a same-prompts replay, ``vs_reference_predicted`` (the replay's per-prompt ratio, median)."""
+    if reference not in meas.runs:
+        raise ValueError(f"reference method {reference!r} is not among the measured ones: {sorted(meas.runs)}")
+    ref_t = _per_prompt_fastest(meas.runs[reference], attr)
+    ref_m = next(m for m in methods if m.name == reference)
+    for m in methods:
+        if m.name == reference or m.kind == "baseline":
+            continue
+        t = _per_prompt_fastest(meas.runs[m.name], attr)
+        if any(v is None for v in t + ref_t):
+            continue
+        row = rows[m.name]
+        row["vs_reference"] = bootstrap_median([r / v for r, v in zip(ref_t, t)])
+        if m.same_prompts is not None and ref_m.same_prompts is not None:
+            pred = float(np.median([a / b for a, b in zip(m.same_prompts.per_prompt, ref_m.same_prompts.per_prompt)]))
+            row["vs_reference_predicted"] = pred
+            got = row["vs_reference"][0]
+            if abs(got / pred - 1.0) > tolerance:
+                row["flags"].append(f"vs {reference}: measured {got:.3f}x vs replay {pred:.3f}x "
+                                    f"({100 * (got / pred - 1):+.0f}%)")
 
 
 @torch.no_grad()
@@ -386,6 +418,17 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
             + ("; ".join(r["flags"]) if r["flags"] else "")
             + " |"
         )
+    ref = summary.get("reference")
+    paired = {n: r for n, r in rows.items() if "vs_reference" in r}
+    if ref and paired:
+        lines += ["", f"Against `{ref}`, paired per prompt (median over prompts of its decode seconds / the method's, "
+                  f"[{int(100 * summary['ci'])}% bootstrap interval]) beside the replay of the same prompts:", "",
+                  f"| method | measured vs {ref} | replay (these prompts) vs {ref} |", "|---|---:|---:|"]
+        for name, r in paired.items():
+            v = r["vs_reference"]
+            lines.append(f"| {name} | {v[0]:.3f}x [{v[1]:.3f}, {v[2]:.3f}] | "
+                         + ("-" if r.get("vs_reference_predicted") is None else f"{r['vs_reference_predicted']:.3f}x")
+                         + " |")
     flips = summary.get("flips") or []
     if flips:
         lines += ["", "Greedy differences from the target alone (first differing token, target's top-2 logit gap):"]

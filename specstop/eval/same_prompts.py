@@ -34,11 +34,13 @@ class SamePromptsReplay:
         speedup: median over prompts of ``t_target(0) * N_p / cost(K histogram of prompt p)``.
         k_hists: per prompt, the replayed rounds as a K histogram (trailing zeros trimmed).
         tokens: per prompt, emitted tokens.
+        per_prompt: per prompt, the predicted speedup (what ``speedup`` is the median of).
     """
 
     speedup: float
     k_hists: list[list[int]]
     tokens: list[int]
+    per_prompt: list[float]
 
 
 def trim(hist) -> list[int]:
@@ -83,7 +85,7 @@ def replay_same_prompts(data: ReplayData, spec, cost: CostModel) -> SamePromptsR
         ratios.append(c.single_step * counts.n / float(c.total_hist(counts.k_hist)))
         hists.append(trim(counts.k_hist))
         toks.append(int(counts.n))
-    return SamePromptsReplay(float(statistics.median(ratios)), hists, toks)
+    return SamePromptsReplay(float(statistics.median(ratios)), hists, toks, [float(r) for r in ratios])
 
 
 def replay_policies(data_dir: str | Path, split: str, prompt_ids: list[str], max_new_tokens: int,
