@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specstop.pair import dtype_choice
@@ -65,9 +66,20 @@ def test_pair_records_its_dtype_choice(tiny_pair_dir):
     assert rec["dtype"] == "float32" and rec["requested"] == "float32"
 
 
-def test_single_row_matvec_only_for_bf16_cpu_and_same_function():
+@pytest.fixture
+def fresh_single_row_choice(monkeypatch, tmp_cache):
+    """No per-process or on-disk single-row kernel choice left from another test."""
+    from specstop.pair import fast_paths
+
+    monkeypatch.setattr(fast_paths, "_CHOICES", {})
+    monkeypatch.delenv(fast_paths.SINGLE_ROW_ENV, raising=False)
+    return fast_paths
+
+
+def test_single_row_matvec_only_for_bf16_cpu_and_same_function(fresh_single_row_choice, monkeypatch):
     from specstop.pair.fast_paths import single_row_matvec
 
+    monkeypatch.setenv(fresh_single_row_choice.SINGLE_ROW_ENV, "mv")  # whichever kernel this CPU prefers
     f32 = tiny_causal_lm(64, seed=5)
     assert single_row_matvec(f32) == 0  # float32 keeps F.linear
     model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
@@ -88,3 +100,26 @@ def test_single_row_matvec_only_for_bf16_cpu_and_same_function():
     one, block = run()
     torch.testing.assert_close(block, ref_block)  # blocks of 2+ rows keep the GEMM: bit-identical
     torch.testing.assert_close(one.float(), ref_one.float(), atol=0.1, rtol=0.05)  # one row: another kernel
+
+
+def test_single_row_route_only_where_measured_faster(fresh_single_row_choice, monkeypatch):
+    # On an AMD EPYC (Zen 4, avx512_bf16) torch.mv ran at 0.45x the speed of F.linear: keep F.linear.
+    fp = fresh_single_row_choice
+    monkeypatch.setattr(fp, "measure_single_row", lambda dtype: {"linear_ms": 1.0, "mv_ms": 2.2, "mv_gain": 0.45})
+    model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
+    assert fp.single_row_matvec(model) == 0
+    assert "F.linear" in fp.single_row_record()["torch.bfloat16"] and "0.45x" in fp.single_row_record()["torch.bfloat16"]
+    # Cached on disk per CPU / dtype / torch / threads: a new process does not measure again.
+    monkeypatch.setattr(fp, "_CHOICES", {})
+    monkeypatch.setattr(fp, "measure_single_row", lambda dtype: (_ for _ in ()).throw(AssertionError))
+    assert fp.single_row_mv_gain(torch.bfloat16)["use_mv"] is False
+    # Where torch.mv is clearly faster (the AMX Xeon: 0.086 -> 0.062 s per draft step), it is taken.
+    monkeypatch.setattr(fp, "_CHOICES", {"torch.bfloat16": {"use_mv": True, "reason": "measured"}})
+    assert fp.single_row_matvec(tiny_causal_lm(64, seed=6).to(torch.bfloat16)) > 0
+
+
+def test_measure_single_row_reports_both_kernels():
+    from specstop.pair.fast_paths import measure_single_row
+
+    m = measure_single_row(torch.bfloat16, reps=2)
+    assert m["linear_ms"] > 0 and m["mv_ms"] > 0 and m["mv_gain"] == pytest.approx(m["linear_ms"] / m["mv_ms"])

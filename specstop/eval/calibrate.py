@@ -241,6 +241,7 @@ def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
 def machine_record(pair, context_tokens: int) -> dict:
     """Where the costs were measured (the cost model's ``machine``)."""
     from specstop.pair.dtype_choice import cpu_flags, cpu_model_name
+    from specstop.pair.fast_paths import single_row_record
 
     dev = torch.device(pair.target_device)
     rec = {
@@ -251,6 +252,7 @@ def machine_record(pair, context_tokens: int) -> dict:
         "torch": torch.__version__,
         "dtype": pair.target_identity.dtype,
         "dtype_reason": pair.dtype_record().get("reason"),
+        "single_row_kernels": single_row_record(),
         "context_tokens": int(context_tokens),
         "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

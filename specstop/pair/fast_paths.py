@@ -21,6 +21,12 @@ s to 0.145 s (float32 gains nothing: its GEMM already streams at the bandwidth).
 routes exactly-one-row inputs of bf16/fp16 CPU linears through ``torch.mv``; blocks of 2+ rows
 (verification, prefill, batches) keep the GEMM. It is applied to the draft and the target alike, so
 the "target alone" baseline every speedup is measured against gets the same faster single steps.
+Which kernel is faster depends on the CPU kind: on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX)
+``torch.mv`` was the *slower* one (0.38 vs 0.21 ms for a [1, 896] x [896, 4864] bf16 product, 29 vs
+17 ms for the 0.5B draft's output head), so the route is taken only where a short measured check
+(:func:`single_row_mv_gain`, cached per CPU model, dtype, torch version and thread count like the
+``dtype: auto`` check) finds ``torch.mv`` at least 10% faster; ``SPECSTOP_SINGLE_ROW=mv|linear``
+forces either.
 Numerically the two kernels round differently (bf16 logits moved by up to 0.15 in a check), which
 only matters at near-ties - the same class of difference bf16 already has between single-token
 steps and batched verification.
@@ -28,13 +34,21 @@ steps and batched verification.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 import types
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _FLAG = "_specstop_contiguous_head"
 _MV_FLAG = "_specstop_single_row_mv"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+SINGLE_ROW_ENV = "SPECSTOP_SINGLE_ROW"
+MV_MIN_GAIN = 1.1  # torch.mv must beat F.linear by this much: a tie keeps the stock kernel
+_CHOICES: dict[str, dict] = {}  # per process: dtype -> the check's result
 
 
 def _contiguous_input(module, args):
@@ -73,15 +87,67 @@ def _linear_single_row_mv(self, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
+def measure_single_row(dtype: torch.dtype, reps: int = 25) -> dict:
+    """Fastest ``F.linear`` and ``torch.mv`` time of one [1, 2048] row times a [2048, 8192] weight (a
+    1.5B model's MLP size) in ``dtype``, interleaved so that drift hits both; ``mv_gain`` = linear / mv."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8192, 2048, generator=g).to(dtype)
+    x = torch.randn(1, 2048, generator=g).to(dtype)
+    kernels = {"linear": lambda: torch.nn.functional.linear(x, w), "mv": lambda: torch.mv(w, x[0])}
+    best = dict.fromkeys(kernels, float("inf"))
+    with torch.no_grad():
+        for fn in kernels.values():
+            for _ in range(3):
+                fn()
+        for _ in range(reps):
+            for name, fn in kernels.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)  # other load only adds time
+    return {"linear_ms": 1e3 * best["linear"], "mv_ms": 1e3 * best["mv"], "mv_gain": best["linear"] / best["mv"]}
+
+
+def single_row_mv_gain(dtype: torch.dtype) -> dict:
+    """Whether one-row products in ``dtype`` run faster through ``torch.mv`` on this CPU: ``{"use_mv",
+    "reason", ...}``, measured once per CPU model / dtype / torch / threads and cached on disk."""
+    key = str(dtype)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    forced = os.environ.get(SINGLE_ROW_ENV)
+    if forced in ("mv", "linear"):
+        choice = {"use_mv": forced == "mv", "reason": f"{SINGLE_ROW_ENV}={forced} set"}
+    else:
+        from specstop.pair.dtype_choice import _cached_gain, _store_gain, cpu_model_name
+
+        cache_key = f"single_row|{cpu_model_name()}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+        m = _cached_gain(cache_key)
+        if m is None:
+            m = measure_single_row(dtype)
+            _store_gain(cache_key, m)
+        use = m["mv_gain"] >= MV_MIN_GAIN
+        choice = {**m, "use_mv": use,
+                  "reason": f"one-row {str(dtype).split('.')[-1]} linears via {'torch.mv' if use else 'F.linear'} "
+                            f"(measured torch.mv {m['mv_gain']:.2f}x the speed of F.linear on this CPU)"}
+    _CHOICES[key] = choice
+    log.info(choice["reason"])
+    return choice
+
+
+def single_row_record() -> dict:
+    """``{dtype: reason}`` for every one-row kernel choice this process made (cost files record it)."""
+    return {k: v["reason"] for k, v in _CHOICES.items()}
+
+
 def single_row_matvec(model) -> int:
     """Route one-row inputs of ``model``'s bf16/fp16 CPU ``nn.Linear`` layers through ``torch.mv``
-    (idempotent). Returns the number of layers patched (0 on GPUs and for float32 weights)."""
+    where :func:`single_row_mv_gain` finds it faster on this CPU (idempotent). Returns the number of
+    layers patched (0 on GPUs, for float32 weights and where ``F.linear`` is as fast)."""
     n = 0
     for mod in model.modules():
         if type(mod) is not torch.nn.Linear or getattr(mod, _MV_FLAG, False):
             continue
         w = mod.weight
-        if w.device.type != "cpu" or w.dtype not in _LOW_PRECISION:
+        if w.device.type != "cpu" or w.dtype not in _LOW_PRECISION or not single_row_mv_gain(w.dtype)["use_mv"]:
             continue
         mod.forward = types.MethodType(_linear_single_row_mv, mod)
         setattr(mod, _MV_FLAG, True)
