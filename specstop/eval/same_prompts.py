@@ -8,7 +8,7 @@ same way the online check does (median over prompts of per-prompt predicted spee
 
 * greedy decoding is deterministic and our decoder is lossless, so the replay's rounds on those
   prompts are the decoder's rounds: their K histograms are compared prompt by prompt
-  (``rounds_match``) - a check of the replay machinery on the real pair, not only on test models;
+  (``rounds_as_replayed`` in the online summary) - a check of the replay machinery on the real pair, not only on test models;
 * what is left between this prediction and the measurement is the cost model and the decoder's own
   overhead, i.e. exactly what "measured within 10% of predicted" should test.
 """

@@ -111,14 +111,16 @@ def _check_cache_path() -> Path:
     return cache_dir() / "hardware" / "dtype_check.json"
 
 
-def _cached_gain(key: str) -> dict | None:
+def cached_check(key: str) -> dict | None:
+    """A hardware check's cached result (``~/.cache/specstop/hardware/dtype_check.json``), or None."""
     try:
         return json.loads(_check_cache_path().read_text()).get(key)
     except (OSError, ValueError):
         return None
 
 
-def _store_gain(key: str, value: dict) -> None:
+def store_check(key: str, value: dict) -> None:
+    """Cache a hardware check's result under ``key`` (atomic write; a read-only cache is ignored)."""
     path = _check_cache_path()
     try:
         doc = json.loads(path.read_text()) if path.is_file() else {}
@@ -146,10 +148,10 @@ def choose_cpu_dtype(*, measure: bool = True) -> DtypeChoice:
     if not measure:
         return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured)", cpu, flags)
     key = f"{cpu}|{'+'.join(flags)}|torch {torch.__version__}|threads {torch.get_num_threads()}"
-    gain = _cached_gain(key)
+    gain = cached_check(key)
     if gain is None:
         gain = measure_bf16_gain()
-        _store_gain(key, gain)
+        store_check(key, gain)
     ok = gain["gain_m8"] >= MIN_GAIN_M8 and gain["gain_m1"] >= 1.0 / MAX_LOSS_M1
     what = (
         f"measured bf16 vs float32 matmul: {gain['gain_m1']:.2f}x at 1 row, {gain['gain_m8']:.2f}x at 8 rows"

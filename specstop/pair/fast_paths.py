@@ -117,13 +117,13 @@ def single_row_mv_gain(dtype: torch.dtype) -> dict:
     if forced in ("mv", "linear"):
         choice = {"use_mv": forced == "mv", "reason": f"{SINGLE_ROW_ENV}={forced} set"}
     else:
-        from specstop.pair.dtype_choice import _cached_gain, _store_gain, cpu_model_name
+        from specstop.pair.dtype_choice import cached_check, cpu_model_name, store_check
 
         cache_key = f"single_row|{cpu_model_name()}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
-        m = _cached_gain(cache_key)
+        m = cached_check(cache_key)
         if m is None:
             m = measure_single_row(dtype)
-            _store_gain(cache_key, m)
+            store_check(cache_key, m)
         use = m["mv_gain"] >= MV_MIN_GAIN
         choice = {**m, "use_mv": use,
                   "reason": f"one-row {str(dtype).split('.')[-1]} linears via {'torch.mv' if use else 'F.linear'} "
