@@ -116,6 +116,7 @@ def main(argv=None) -> int:
 
     from specstop.data_gen.storage import read_manifest
     from specstop.eval import online
+    from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.decoder import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
     from specstop.pair import load_named_pair
@@ -143,10 +144,7 @@ def main(argv=None) -> int:
         methods.append(online.hf_target_method("target (HF generate)", pair))
     loaded = [(text, *load_policy(text, pair, tuned)) for text in args.policy or ["static:4"]]
     same = {}
-    greedy_data = names is not None and not float(read_manifest(args.data)["generation"].get("temperature") or 0.0)
-    if greedy_data and cost is not None:
-        from specstop.eval.same_prompts import replay_policies
-
+    if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
         # The replay of exactly these prompts at this budget: the like-for-like prediction.
         same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in loaded}, cost)
     ref_text = args.reference or ("tuned:static_opt" if "tuned:static_opt" in (args.policy or []) else None)

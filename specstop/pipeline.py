@@ -362,6 +362,7 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     from specstop.eval import online
     from specstop.eval.cost import load_cost_model
     from specstop.eval.report import row_key_for_policy
+    from specstop.eval.same_prompts import applies as same_prompts_apply
     from specstop.eval.same_prompts import replay_policies
     from specstop.export.decoder import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
@@ -399,7 +400,7 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
             spec = PolicySpec.from_dict(tuned["policies"][name]["spec"])
             policies[f"{name} ({spec.label})"] = (StoppingPolicy.from_spec(spec), name)
     same = {}
-    if split is not None and decoding.greedy and max_new <= int(gen["max_new_tokens"]):
+    if split is not None and same_prompts_apply(gen, max_new):
         # The like-for-like prediction: the replay of exactly these prompts at this budget.
         same = replay_policies(data_dir, split, prompt_names, max_new, {k: p for k, (p, _) in policies.items()}, cost)
     methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), greedy),

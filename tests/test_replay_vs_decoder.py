@@ -166,7 +166,11 @@ def test_online_check_replays_the_same_prompts_round_for_round(setup):
 
 
 def test_same_prompts_budget_above_the_dataset_is_refused(setup):
-    from specstop.eval.same_prompts import load_for_prompts
+    from specstop.eval.same_prompts import applies, load_for_prompts
+
+    assert applies({"temperature": 0.0, "max_new_tokens": MAX_NEW}, MAX_NEW)
+    assert not applies({"temperature": 0.0, "max_new_tokens": MAX_NEW}, MAX_NEW + 1)
+    assert not applies({"temperature": 1.0, "max_new_tokens": MAX_NEW}, MAX_NEW)  # sampled: not round for round
 
     _pair, data, _ids, _pred = setup
     with pytest.raises(ValueError, match="dataset's budget"):

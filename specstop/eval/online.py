@@ -310,7 +310,7 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
                 row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0
                 if m.kind != "baseline":
                     n_tok = [sum(len(r.tokens) for r in rs) for rs in runs]
-                    pred = [c.single_step * n / float(c.total_hist(h)) for n, h in zip(n_tok, hists)]
+                    pred = [c.target_only_per_token / float(c.latency_from_hist(h, n)) for n, h in zip(n_tok, hists)]
                     row["predicted_decode_speedup"] = float(np.median(pred))
         if m.replay_speedup is not None:
             row["replay_speedup"] = m.replay_speedup

@@ -51,6 +51,13 @@ def trim(hist) -> list[int]:
     return h
 
 
+def applies(generation: dict, max_new_tokens: int) -> bool:
+    """Whether a dataset (its manifest's ``generation``) can predict an online check decoding
+    ``max_new_tokens``: greedy (sampled runs are not reproducible round for round) and within the
+    budget it recorded."""
+    return not float(generation.get("temperature") or 0.0) and max_new_tokens <= int(generation["max_new_tokens"])
+
+
 def load_for_prompts(data_dir: str | Path, split: str, prompt_ids: list[str], max_new_tokens: int,
                      predictors: dict | None = None) -> ReplayData:
     """The split's replay data for ``prompt_ids`` (in that order) cut to ``max_new_tokens``, scored by
@@ -82,7 +89,7 @@ def replay_same_prompts(data: ReplayData, spec, cost: CostModel) -> SamePromptsR
     ratios, hists, toks = [], [], []
     for p in range(data.num_prompts):
         counts = replay_prompt(data, p, spec)
-        ratios.append(c.single_step * counts.n / float(c.total_hist(counts.k_hist)))
+        ratios.append(counts.metrics(c)["speedup"])  # the report's own pricing of these rounds
         hists.append(trim(counts.k_hist))
         toks.append(int(counts.n))
     return SamePromptsReplay(float(statistics.median(ratios)), hists, toks, [float(r) for r in ratios])
