@@ -25,7 +25,7 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -76,10 +76,14 @@ class PipelineConfig:
             dataset's decoding context), a path to a cost.json, or a preset name (reports then say
             in their first line that it is not this machine).
         calibrate_budget: seconds of measuring for ``calibrate``.
+        force_cost: price with a measured cost table even when it fails its check (erratic or
+            unordered K; :mod:`specstop.eval.cost_check`); otherwise tune refuses it.
         tune_args / eval_args: extra arguments for ``specstop tune`` / ``specstop eval``.
         online_prompts / online_repeats / online_max_new_tokens: the online check (real decoding,
             interleaved and repeated: :mod:`specstop.eval.online`) over the first test prompts;
             0 prompts disables it; max_new_tokens None = the dataset's.
+        online_budget: seconds for the online check; when set, prompts and then tokens are cut until
+            the cost model's estimate fits (:mod:`specstop.eval.online_budget`). None: as configured.
         online_hf_default: include HF's default assisted generation in the online check.
         export_policy: which tuned policy to export (``best`` = the tuned file's best learned one).
     """
@@ -96,12 +100,14 @@ class PipelineConfig:
     families: list[FamilySpec] = field(default_factory=list)
     cost_model: str = "calibrate"
     calibrate_budget: float = 60.0
+    force_cost: bool = False
     tune_args: list[str | int | float] = field(default_factory=list)
     eval_args: list[str | int | float] = field(default_factory=list)
     online_prompts: int = 8
     online_repeats: int = 2
     online_max_new_tokens: int | None = None
     online_hf_default: bool = True
+    online_budget: float | None = None
     export_policy: str = "best"
 
     def __post_init__(self) -> None:
@@ -138,6 +144,7 @@ class PipelineConfig:
         check_range("online_repeats", self.online_repeats, low=1)
         check_range("calibrate_budget", self.calibrate_budget, low=0, low_open=True)
         check_range("online_max_new_tokens", self.online_max_new_tokens, low=1)
+        check_range("online_budget", self.online_budget, low=0, low_open=True)
         check_dtype_name(self.dtype)
         seen = set()
         for fam in self.families:
@@ -297,6 +304,8 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     # 5. tune on validation
     tuned = run_dir / "tuned.json"
     tune_argv = ["tune", "--data", str(data_dir), "--cost-model", cost_arg, "--out", str(tuned), *cfg.tune_args]
+    if cfg.force_cost:
+        tune_argv.append("--force-cost")
     for name, ckpt in checkpoints.items():
         tune_argv += ["--checkpoint", f"{name}={ckpt}"]
     runner.run(
@@ -309,7 +318,10 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
 
     # 6. evaluate on the test split (of the transfer set when given)
     eval_dir = run_dir / "eval"
-    eval_argv = ["eval", "--data", str(eval_data), "--tuned", str(tuned), "--out", str(eval_dir), *cfg.eval_args]
+    eval_argv = ["eval", "--data", str(eval_data), "--tuned", str(tuned), "--out", str(eval_dir), "--overwrite",
+                 *cfg.eval_args]  # --overwrite: a rerun stage replaces its own report
+    if cfg.force_cost:
+        eval_argv.append("--force-cost")
     runner.run(
         "eval",
         {"args": eval_argv[1:]},
@@ -341,7 +353,7 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         runner.run(
             "online",
             {"n": cfg.online_prompts, "repeats": cfg.online_repeats, "max_new_tokens": cfg.online_max_new_tokens,
-             "dtype": cfg.dtype, "hf_default": cfg.online_hf_default},
+             "dtype": cfg.dtype, "hf_default": cfg.online_hf_default, "budget": cfg.online_budget},
             ["export", "eval", "calibrate"],
             lambda: online_check(cfg, eval_data, export_dir, tuned, eval_dir / "report.json", cost_arg, online_path),
             outputs_exist=lambda o: Path(o.get("online", "")).is_file(),
@@ -361,6 +373,7 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     from specstop.data_gen.storage import load_table, read_manifest
     from specstop.eval import online
     from specstop.eval.cost import load_cost_model
+    from specstop.eval.online_budget import size_online_check
     from specstop.eval.report import row_key_for_policy
     from specstop.eval.same_prompts import applies as same_prompts_apply
     from specstop.eval.same_prompts import replay_policies
@@ -375,12 +388,18 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     if len(seqs) == 0:
         split, seqs = None, load_table(data_dir, "sequences")
     prompts = [list(seqs[i]["prompt_ids"]) for i in range(min(cfg.online_prompts, len(seqs)))]
-    prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
     gen = read_manifest(data_dir)["generation"]
     max_new = cfg.online_max_new_tokens or int(gen["max_new_tokens"])
     tuned = json.loads(Path(tuned_path).read_text())
     rows = json.loads(Path(report_path).read_text()).get("rows") or {} if Path(report_path).is_file() else {}
     cost = load_cost_model(cost_arg)
+    n_methods = 2 + sum(n in tuned.get("policies", {}) for n in ("static_opt", "confidence_opt")) + int(
+        cfg.online_hf_default and not float(gen.get("temperature") or 0.0))
+    size = size_online_check(cost, [len(p) for p in prompts], max_new_tokens=max_new, repeats=cfg.online_repeats,
+                             methods=n_methods, budget_s=cfg.online_budget)
+    log.info("%s", size.line())
+    prompts, max_new = prompts[: size.prompts], size.max_new_tokens
+    prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
     pair = load_named_pair(cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device)
     # Decode as the dataset describes: greedy, or sampled at its temperature / top-k / top-p (then the
     # outputs are samples, so the token-for-token check against the target does not apply).
@@ -416,7 +435,9 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips,
                                sampled=not decoding.greedy, reference=static)
     summary.update({"policy": str(export_dir), "dtype": pair.dtype_record(), "cost_model": cost.name,
-                    "cost_provenance": cost.provenance_line(), "markdown": online.to_markdown(summary)})
+                    "size": {**asdict(size), "line": size.line()},
+                    "cost_provenance": cost.provenance_line(),
+                    "markdown": f"{size.line()}\n\n{online.to_markdown(summary)}"})
     atomic_write_json(out_path, summary)
     del pair, methods
     gc.collect()

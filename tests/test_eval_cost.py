@@ -46,7 +46,8 @@ def test_calibrate_tiny_pair(tmp_path):
     ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 40)
     cost, raw = calibrate(pair, context=ctx, context_tokens=40, budget_s=0.2, k_grid=(0, 1, 4),
                           policies={"confidence": StoppingPolicy.from_string("confidence:0.4")}, progress=False)
-    assert raw["rounds"] >= 3 and all(len(v) == raw["rounds"] for v in raw["target"].values())
+    # Every K has at least the 3 rounds' samples (a K re-measured for its spread has its new ones).
+    assert raw["rounds"] >= 3 and all(len(v) >= 3 for v in raw["target"].values())
     assert set(cost.target_by_k) == {0, 1, 4} and cost.t_target_single == cost.target_by_k[0]
     assert cost.t_draft > 0 and not cost.is_preset and cost.machine["context_tokens"] == 40
     assert cost.policy_per_step["confidence"] > 0

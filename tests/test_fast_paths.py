@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specstop.pair import dtype_choice
+from specstop.pair import dtype_choice, dtype_timing
 from specstop.pair.fast_paths import _dense, contiguous_output_head
 from specstop.testing import tiny_causal_lm
 
@@ -37,25 +37,79 @@ def test_auto_is_float32_without_bf16_units(monkeypatch):
     assert c.dtype == "float32" and "no native bf16" in c.reason
 
 
-def test_auto_needs_a_measured_gain(monkeypatch, tmp_cache):
+def _figures(f32: float, bf16_linear: float, bf16_mv: float, batch_f32: float = 1.0, batch_bf16: float = 1.0) -> dict:
+    """Pair timings as :func:`dtype_timing.time_model` returns them (every forward kind of a variant alike)."""
+    def model(verify: bool) -> dict:
+        out = {}
+        for v, s, b in (("float32", f32, batch_f32), ("bfloat16+linear", bf16_linear, batch_bf16),
+                        ("bfloat16+mv", bf16_mv, batch_bf16)):
+            out[v] = {"step": s, "batch": b, **({"verify": 2 * s} if verify else {})}
+        return out
+    figures = {"draft": model(False), "target": model(True)}
+    return {**figures, **dtype_timing.decide(figures), "seconds": 1.0}
+
+
+def test_auto_picks_the_dtype_whose_pair_decodes_fastest(monkeypatch, tmp_cache):
+    # Zen 5: a synthetic one-row matmul said bf16 was 0.71x float32, the pair itself decoded 2.5x faster in bf16.
+    from specstop.pair import dtype_timing
+
     monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
-    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx2", "amx_bf16"})
-    gains = {"gain_m1": 1.0, "gain_m8": 2.5, "float32_ms_m1": 1, "bfloat16_ms_m1": 1,
-             "float32_ms_m8": 2.5, "bfloat16_ms_m8": 1}
-    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: dict(gains))
-    c = dtype_choice.choose_dtype("cpu")
-    assert c.dtype == "bfloat16" and "amx_bf16" in c.reason and "2.50x at 8 rows" in c.reason
-    # Cached per CPU: a second call does not measure again.
-    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: (_ for _ in ()).throw(AssertionError))
-    assert dtype_choice.choose_dtype("cpu").dtype == "bfloat16"
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(dtype_timing, "measure_pair_dtypes", lambda d, t: _figures(0.25, 0.10, 0.12))
+    c = dtype_choice.choose_dtype("cpu", pair=("d", "t"))
+    assert c.dtype == "bfloat16" and "2.50x faster decoding" in c.reason and "F.linear" in c.reason
+    # Cached per CPU / torch / threads / pair: a second call does not time again.
+    monkeypatch.setattr(dtype_timing, "measure_pair_dtypes", lambda d, t: (_ for _ in ()).throw(AssertionError))
+    assert dtype_choice.choose_dtype("cpu", pair=("d", "t")).dtype == "bfloat16"
+    # ... but another pair is timed.
+    monkeypatch.setattr(dtype_timing, "measure_pair_dtypes", lambda d, t: _figures(0.10, 0.25, 0.26))
+    c = dtype_choice.choose_dtype("cpu", pair=("d2", "t"))
+    assert c.dtype == "float32" and "faster decoding than bfloat16" in c.reason
 
 
-def test_auto_refuses_bf16_that_is_not_faster(monkeypatch, tmp_cache):
+def test_auto_per_workload_and_single_row_route(monkeypatch, tmp_cache):
+    from specstop.pair import dtype_timing, fast_paths
+
+    monkeypatch.setattr(fast_paths, "_CHOICES", {})
+    monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"amx_bf16"})
+    # One-row steps faster in bf16 via torch.mv; batched steps faster in float32.
+    monkeypatch.setattr(dtype_timing, "measure_pair_dtypes",
+                        lambda d, t: _figures(0.20, 0.15, 0.10, batch_f32=0.5, batch_bf16=0.8))
+    assert dtype_choice.choose_dtype("cpu", pair=("d", "t")).dtype == "bfloat16"
+    assert fast_paths.single_row_mv_gain(torch.bfloat16)["use_mv"] is True
+    gen = dtype_choice.choose_dtype("cpu", pair=("d", "t"), workload="generate")
+    assert gen.dtype == "float32" and "batched generation" in gen.reason
+
+
+def test_auto_without_a_pair_says_it_did_not_measure(monkeypatch):
     monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx512_bf16"})
-    monkeypatch.setattr(dtype_choice, "measure_bf16_gain", lambda: {"gain_m1": 0.5, "gain_m8": 1.0})
     c = dtype_choice.choose_dtype("cpu")
-    assert c.dtype == "float32" and "not faster" in c.reason
+    assert c.dtype == "bfloat16" and "not measured" in c.reason
+
+
+def test_pair_timing_on_a_tiny_model_measures_every_variant(fresh_single_row_choice):
+    from specstop.pair import dtype_timing
+
+    model = tiny_causal_lm(64, seed=5)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    got = dtype_timing.time_model(model, verify=True, rounds=1, reps=1)
+    assert set(got) == set(dtype_timing.VARIANTS)
+    assert all(set(kinds) == {"step", "batch", "verify"} and min(kinds.values()) > 0 for kinds in got.values())
+    # Left as it came: float32, stock kernels (bf16 -> float32 rounds the weights, nothing else).
+    assert next(model.parameters()).dtype == torch.float32
+    assert not any(getattr(m, "_specstop_single_row_mv", False) for m in model.modules())
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ref[k].to(torch.bfloat16).float())
+
+
+def test_cuda_without_bf16_units_gets_float16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    c = dtype_choice.choose_dtype("cuda")
+    assert c.dtype == "float16" and "7.5" in c.reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert dtype_choice.choose_dtype("cuda:0").dtype == "bfloat16"
 
 
 def test_pair_records_its_dtype_choice(tiny_pair_dir):

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pair", help="known pair name or a folder with draft/ and target/")
     g.add_argument("--draft", help="draft model folder or hub id (with --target)")
     g.add_argument("--target", help="target model folder or hub id (with --draft)")
-    g.add_argument("--dtype", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", help="float32 | bfloat16 | float16 | auto (the pair's fastest for batched generation on this machine, timed once and cached)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--target-device-map", help="e.g. auto: spread a target larger than one GPU")
     g = parser.add_argument_group("prompts")
@@ -175,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
     records = load_records(cfg)
     if not records:
         raise UserError(f"the prompt set {cfg.prompts.source!r} is empty (check --limit and the split scheme)")
+    # Before the pair is loaded: a folder with the user's files, or one that cannot be written, is
+    # refused in a second, not after minutes of loading.
+    from specstop.data_gen.ownership import check_no_foreign_files
+
+    check_no_foreign_files(cfg.out)
     if args.merge:
         with claim_output_dir(cfg.out, command=f"specstop generate --merge --data {cfg.out}"):
             path = write_manifest(cfg.out, cfg, plan_shards(records, cfg.prompts_per_shard))
@@ -189,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     with claim_output_dir(cfg.out, role=role, command=f"specstop generate --data {cfg.out}"):
         pair = load_named_pair(
             cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
-            target_device_map=cfg.target_device_map,
+            target_device_map=cfg.target_device_map, dtype_workload="generate",
         )
         from specstop.memory import PeakRSS
 

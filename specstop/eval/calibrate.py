@@ -13,6 +13,13 @@ context length decoding sees (a dataset's mean prompt length plus half its respo
 The cost model gets the median per K (``target_by_k``, interpolated by the cost model), the median
 draft step, and - for reference and for presets' sake - the least-squares line over K >= 1. A
 plot of every sample, the medians and the line is written next to the JSON (``cost.png``).
+
+Before the table is written it is checked (:mod:`specstop.eval.cost_check`): a K whose samples
+spread too far, or that verifies more tokens for less time than a shorter K, is re-measured once
+(half the budget again); then the real decoder runs a few target-only steps and a few static rounds
+at the same context, and what it measures is set beside what the table predicts. What still fails
+is recorded in the file and printed in one line; ``tune``, ``eval`` and the pipeline refuse such a
+table unless forced.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
+from specstop.eval.cost_check import decoder_problems, order_problems, spread_problems, table_problems
 from specstop.pair.compat import cache_kwarg
 
 log = logging.getLogger("specstop")
@@ -169,9 +177,10 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     from tqdm.auto import tqdm
 
     ctx = context[:context_tokens]
-    block = context[context_tokens : context_tokens + max(k_grid) + 1]
-    if len(block) < max(k_grid) + 1:
-        raise UserError(f"context too short: need {context_tokens + max(k_grid) + 1} tokens, have {len(context)}")
+    n_block = max(max(k_grid) + 1, DRAFT_STEPS_PER_ROUND)  # the draft steps read the block too
+    block = context[context_tokens : context_tokens + n_block]
+    if len(block) < n_block:
+        raise UserError(f"context too short: need {context_tokens + n_block} tokens, have {len(context)}")
     draft = _Cached(pair.draft, ctx)
     target = _Cached(pair.target, ctx)
     # Warm-up: allocator, kernel choice (oneDNN primitives per shape), caches.
@@ -297,13 +306,77 @@ def fit_cost(raw: dict, *, name: str, machine: dict, policy_steps: dict | None =
     )
 
 
+def suspect_ks(raw: dict) -> list[int]:
+    """The K whose samples fail the spread or order check (both ends of an order problem)."""
+    med = {k: float(np.median(v)) for k, v in raw["target"].items() if v}
+    return sorted({k for ks, _ in spread_problems(raw["target"]) + order_problems(med) for k in ks})
+
+
+def remeasure(pair, context: list[int], raw: dict, ks: list[int], *, context_tokens: int, budget_s: float,
+              progress: bool = True) -> dict:
+    """Time ``ks`` again (their old samples are replaced: a burst of load or a kernel warming up is
+    not what decoding pays) and note which K were re-measured."""
+    again = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=tuple(ks),
+                      progress=progress, seed=1)
+    target = dict(raw["target"])
+    target.update(again["target"])
+    return {**raw, "target": target, "remeasured": list(ks), "seconds": raw["seconds"] + again["seconds"]}
+
+
+def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: int, tokens: int = 12) -> dict:
+    """What the real decoder pays for rounds the table prices, at the calibration's context.
+
+    Two runs of :class:`~specstop.export.decoder.SpeculativeDecoder` (greedy): target-only steps
+    (every round K = 0) against t_target(0), and static K = 4 rounds against the table's round cost
+    for the K each round drafted (draft steps included). The first round of each run is left out
+    (it also feeds the prompt's last token).
+
+    Returns:
+        ``{check: {"measured": s, "predicted": s, "ratio": measured / predicted, "rounds": n}}``, seconds
+        per round.
+    """
+    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.export.runtime import StoppingPolicy
+
+    prompt = context[:context_tokens]
+    out = {}
+    runs = (("target-only step", "static:1", 0), ("static:4 round", "static:4", None))
+    for name, spec, max_draft in runs:
+        dec = SpeculativeDecoder(pair, StoppingPolicy.from_string(spec))
+        dec.generate(prompt, 3, max_draft=max_draft)  # warm-up
+        res = dec.generate(prompt, tokens, max_draft=max_draft)
+        secs = res.timings["round_seconds"][1:]
+        ks = res.round_lengths[1:]
+        if not secs:
+            continue
+        # Seconds per round: the median of equal rounds, the mean where K varies from round to round.
+        measured = float(np.median(secs)) if max_draft == 0 else float(np.mean(secs))
+        predicted = cost.target_cost(0) if max_draft == 0 else float(np.mean([cost.round_cost(k) for k in ks]))
+        out[name] = {"measured": measured, "predicted": predicted, "ratio": measured / predicted, "rounds": len(secs)}
+    return out
+
+
 def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
-              policies: dict | None = None, name: str = "calibrated", progress: bool = True) -> tuple[CostModel, dict]:
-    """Time ``pair`` at ``context_tokens`` of context; returns the measured :class:`CostModel` and the
-    raw timings (for :func:`calibration_plot`)."""
+              policies: dict | None = None, name: str = "calibrated", progress: bool = True,
+              check_decoder: bool = True) -> tuple[CostModel, dict]:
+    """Time ``pair`` at ``context_tokens`` of context, re-measure suspect K once and check the table
+    against the decoder; returns the measured :class:`CostModel` (its ``fit`` carries the check) and
+    the raw timings (for :func:`calibration_plot`)."""
     raw = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=k_grid, progress=progress)
+    suspects = suspect_ks(raw)
+    if suspects:
+        log.info("calibrate: re-measuring K = %s (spread or order check failed)", ", ".join(map(str, suspects)))
+        raw = remeasure(pair, context, raw, suspects, context_tokens=context_tokens, budget_s=budget_s / 2,
+                        progress=progress)
     steps = {n: time_policy_step(p, pair) for n, p in (policies or {}).items()}
-    return fit_cost(raw, name=name, machine=machine_record(pair, context_tokens), policy_steps=steps), raw
+    cost = fit_cost(raw, name=name, machine=machine_record(pair, context_tokens), policy_steps=steps)
+    if check_decoder:
+        cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
+        if decoder_problems(cost.fit["decoder_check"]):  # once more: a burst of load is not a verdict
+            log.info("calibrate: the decoder disagreed with the table; checking once more")
+            cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
+    cost.fit["check"] = {"problems": table_problems(cost), "remeasured": raw.get("remeasured", [])}
+    return cost, raw
 
 
 def calibration_plot(path: Path, cost: CostModel, raw: dict) -> Path:
@@ -360,7 +433,14 @@ def run(args) -> int:
         raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
     if not args.budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    from specstop.outputs import check_writable
+
+    check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    from specstop.pair.context import check_fits
+
+    check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "
+               f"verify block of K = {max(k_grid)} + 1", "lower --context-tokens (or --k-grid)")
     if args.data:
         context, n_ctx = context_from_data(args.data)
     else:
@@ -381,6 +461,14 @@ def run(args) -> int:
         log.info("plot: %s", png)
     t = cost.target_by_k
     log.info("%s", cost.provenance_line())
+    check = cost.fit["check"]
+    if check["problems"]:
+        log.warning("cost table check FAILED (tune, eval and pipeline refuse it without --force-cost): %s",
+                    "; ".join(check["problems"]))
+    else:
+        agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
+        log.info("cost table check passed%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",
+                 f"; decoder / table: {agree}" if agree else "")
     log.info("t_draft %.4f s/step; t_target(K): %s; policy step %s -> %s", cost.t_draft,
              ", ".join(f"K={k}: {v:.3f}" for k, v in t.items()),
              ", ".join(f"{n} {1e3 * s:.2f} ms" for n, s in (cost.policy_per_step or {}).items()), args.out)

@@ -6,10 +6,14 @@ Transfer (DISCO: MBPP -> HumanEval) is just ``--data`` pointing at another datas
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-from specstop.config_io import check_range, read_json
+from specstop.config_io import check_range, read_json, resolve_tuned_paths
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.report import build_report, write_report
@@ -29,9 +33,13 @@ def add_arguments(p) -> None:
     p.add_argument("--split", default="test")
     p.add_argument("--out", required=True, help="report folder")
     p.add_argument("--cost-model", default=None, help="preset or cost.json (default: the tuned file's)")
+    p.add_argument("--force-cost", action="store_true",
+                   help="price with a measured cost table even when it fails its check (erratic or unordered K)")
     p.add_argument(
         "--checkpoint", action="append", default=[], metavar="[NAME=]PATH", help="override a tuned checkpoint path, repeatable (NAME defaults to the file name)"
     )
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier report in --out (report.md, report.json and its figures)")
     p.add_argument("--mc-repeats", type=int, default=16,
                    help="sampled data (T > 0): realisations of the acceptance draws replayed (default 16)")
 
@@ -43,6 +51,7 @@ def read_tuned(path: str | Path) -> dict:
     tuned = read_json(p, "tuned-policy file")
     if not isinstance(tuned, dict) or tuned.get("schema_version") != 1 or not isinstance(tuned.get("policies"), dict):
         raise UserError(f"{p} is not a specstop tuned-policy file (schema_version 1 with 'policies')")
+    tuned = resolve_tuned_paths(tuned, p)
     tuned["_path"] = str(p)
     return tuned
 
@@ -59,10 +68,67 @@ def check_tuned_pair(tuned: dict, data_dir) -> None:
     )
 
 
+REPORT_FILES = ("report.md", "report.json", "pareto.png", "oracle_sl_hist.png")
+
+
+def _report_files(out: Path) -> list[Path]:
+    """Files in ``out`` that writing a report would replace."""
+    if not out.is_dir():
+        return []
+    return [p for p in sorted(out.iterdir()) if p.name in REPORT_FILES
+            or (p.name.startswith("calibration") and p.suffix == ".png")]
+
+
+def _is_own_report(out: Path) -> bool:
+    try:
+        doc = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "rows" in doc and "schema_version" in doc
+
+
+def check_report_target(out: Path, overwrite: bool) -> None:
+    """Refuse, before any replay, an ``--out`` whose report files would be overwritten.
+
+    Raises:
+        UserError: an earlier report without ``--overwrite``, or files of the same names that are
+            not a specstop report (never replaced, even with ``--overwrite``).
+    """
+    from specstop.outputs import check_writable
+
+    existing = _report_files(out)
+    if existing and not overwrite:
+        raise UserError(
+            f"--out {out} already holds {existing[0].name}; pass --overwrite to replace the earlier report, "
+            "or choose another --out"
+        )
+    if existing and not _is_own_report(out):
+        raise UserError(
+            f"--out {out} holds {existing[0].name}, which is not part of a specstop report (no report.json written "
+            "by specstop eval); it is never replaced: choose another --out"
+        )
+    check_writable(out, "--out")
+
+
+def _write_staged(rep_builder, out: Path) -> Path:
+    """Write the report into a hidden folder inside ``out`` and move each file into place only when
+    all are written: a failed write (a full disk) leaves the earlier report or nothing, never half."""
+    out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".report-tmp-", dir=out))
+    try:
+        md, _js = rep_builder(stage)
+        for f in sorted(stage.iterdir(), key=lambda p: p.name == "report.md"):  # report.md last
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return out / md.name
+
+
 def run(args) -> int:
     check_range("--mc-repeats", args.mc_repeats, low=1)
+    check_report_target(Path(args.out), args.overwrite)
     tuned = read_tuned(args.tuned)
-    cost = load_cost_model_arg(args.cost_model or tuned.get("cost_model"))
+    cost = load_cost_model_arg(args.cost_model or tuned.get("cost_model"), force=args.force_cost)
     check_tuned_pair(tuned, args.data)
     data = load_replay_data(args.data, args.split)
     ckpts = {**tuned.get("checkpoints", {}), **parse_checkpoint_args(args.checkpoint)}
@@ -71,9 +137,13 @@ def run(args) -> int:
     data = replayable(data, args.data, args.split, repeats=args.mc_repeats, max_steps=sl_max)
     # Predictors that could not even be tuned stay listed as skipped, with the tuner's reason.
     skipped = {**tuned.get("skipped", {}), **skipped}
+
+
+    def build(stage: Path):
+        return write_report(build_report(data, tuned, cost, info, skipped, out_dir=stage), stage)
+
     with claim_output_dir(args.out, command=f"specstop eval --out {args.out}"):
-        rep = build_report(data, tuned, cost, info, skipped, out_dir=args.out)
-        md, js = write_report(rep, args.out)
-    log.info("report: %s, %s", md, js)
+        md = _write_staged(build, Path(args.out))
+    log.info("report: %s", md)
     print(md.read_text())
     return 0

@@ -16,6 +16,7 @@ from specstop.config_io import check_range, read_json
 from specstop.data_gen.storage import atomic_write_json
 from specstop.errors import UserError
 from specstop.eval.cost import PRESETS, CostModel, load_cost_model
+from specstop.eval.cost_check import require_usable
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.sampled import DEFAULT_REPEATS, replayable
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
@@ -50,6 +51,8 @@ def add_arguments(p) -> None:
         help="the latency model to minimise: a cost.json from `specstop calibrate-cost` (this machine), or a "
         f"preset name ({', '.join(PRESETS)}; not this machine, reports say so)",
     )
+    p.add_argument("--force-cost", action="store_true",
+                   help="price with a measured cost table even when it fails its check (erratic or unordered K)")
     p.add_argument("--out", required=True, help="tuned-policy JSON to write")
     p.add_argument("--sl-max-grid", default="4,8,12,16,20", help="SL_max candidates, comma separated")
     p.add_argument("--heuristic-starts", default="1,2,3,4,5,6,8,10", help="heuristic start values to try")
@@ -67,21 +70,28 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def load_cost_model_arg(spec) -> CostModel:
-    """``--cost-model``: a preset name or a cost.json, with every problem as a one-line user error."""
+def load_cost_model_arg(spec, *, force: bool = False) -> CostModel:
+    """``--cost-model``: a preset name or a cost.json, with every problem as a one-line user error; a
+    measured table that fails its check (:mod:`specstop.eval.cost_check`) is refused unless ``force``."""
     if isinstance(spec, str) and spec not in PRESETS and Path(spec).is_file():
         doc = read_json(spec, "cost model file")
         if not isinstance(doc, dict):
             raise UserError(f"{spec}: a cost model file holds a JSON object, got {type(doc).__name__}")
     try:
-        return load_cost_model(spec)
+        cost = load_cost_model(spec)
     except (ValueError, TypeError) as err:  # every failure here is about the given preset/file
         raise UserError(f"--cost-model {spec if isinstance(spec, str) else '(from the tuned file)'}: {err}") from None
+    for problem in require_usable(cost, force=force):
+        log.warning("pricing with a cost table that fails its check (--force-cost): %s", problem)
+    return cost
 
 
 def run(args) -> int:
+    from specstop.outputs import check_writable
+
     check_range("--repeats", args.repeats, low=1)
-    cost = load_cost_model_arg(args.cost_model)
+    check_writable(args.out, "--out", kind="file")  # before the replay work, not after it
+    cost = load_cost_model_arg(args.cost_model, force=args.force_cost)
     grid = _ints(args.sl_max_grid)
     tuned = tune_dataset(
         args.data,
@@ -93,7 +103,7 @@ def run(args) -> int:
         repeats=args.repeats,
     )
     out = Path(args.out)
-    atomic_write_json(out, tuned)  # a crash never leaves a half-written tuned file
+    atomic_write_json(out, tuned)  # a crash or a full disk never leaves a half-written tuned file
     for name, pol in tuned["policies"].items():
         v = pol["validation"]
         log.info(
@@ -171,9 +181,10 @@ def tune_dataset(
         "policies": policies,
         "best": best,
         "cost_model": cost.to_dict(),
-        "dataset": str(data_dir),
+        # Absolute paths: the file is read from other directories (eval, export, another machine's shell).
+        "dataset": str(Path(data_dir).resolve()),
         "split": split,
-        "checkpoints": {n: m["path"] for n, m in info.items()},
+        "checkpoints": {n: str(Path(m["path"]).resolve()) for n, m in info.items()},
         "predictors": info,
         "skipped": skipped,
         "tokens": data.num_tokens // (getattr(data, "virtual_repeats", None) or 1),

@@ -1,13 +1,15 @@
-"""``dtype: auto``: pick this machine's fastest dtype that keeps decoding lossless, and say why.
+"""``dtype: auto``: pick the dtype in which *this pair* runs fastest on this machine, and say why.
 
-On CUDA that is bfloat16. On a CPU it depends on the CPU *kind*: with native bf16 matrix units
-(Intel AMX ``amx_bf16`` or AVX-512 ``avx512_bf16``) a bf16 target verifies 1 to 17 tokens in about
-the time of one token (measured on a 2-core Xeon: 0.19 s at 1 token, 0.22 s at 17), while float32
-runs 2-3x slower as soon as more than a couple of tokens are fed. Without those units bf16 matmuls
-are emulated and float32 wins. The CPU flags decide whether bf16 is *possible*; a short measured
-check (a [M, 2048] x [2048, 8192] matmul in both dtypes, about 0.3 s, cached per CPU model, flags,
-torch version and thread count) decides whether it is *faster*, because a VM can advertise a flag
-that its kernels do not use.
+On CUDA that is bfloat16 where the device supports it (compute capability 8.0 or newer), float16
+otherwise. On a CPU it depends on the CPU *kind* and cannot be read off its flags: without native
+bf16 matrix units (Intel AMX ``amx_bf16``, AVX-512 ``avx512_bf16``) bf16 matmuls are emulated and
+float32 wins; with them bf16 is usually much faster for the pair (2-core AMD EPYC Zen 5: a 1.5B
+target verifies 9 tokens in 0.129 s in bf16 against 0.636 s in float32) - but a synthetic one-row
+matmul there timed bf16 at 0.71x float32, which is why the decision is taken by timing the pair's
+own forwards (:mod:`specstop.pair.dtype_timing`): a draft step, a target step and a K = 8
+verification per dtype for decoding and calibration, batched steps for data generation, the bf16
+one-row kernel route settled in the same rounds. The figures are printed, recorded in manifests
+and cost files, and cached per CPU model, flags, torch version, thread count and pair.
 
 Speculative decoding stays lossless relative to the dtype the target runs in: the decoder accepts
 exactly what the target, in that dtype, would pick. In bf16 the batched verification pass and
@@ -21,7 +23,6 @@ import json
 import logging
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,11 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-# bf16 must be at least this much faster at M = 8 (the verification regime) and no more than this
-# much slower at M = 1 (single-token steps: measured 0.93x on the AMX Xeon in this matmul while the
-# whole 1.5B target step was 1.25x faster in bf16, so only a clear loss counts).
-MIN_GAIN_M8 = 1.2
-MAX_LOSS_M1 = 1.25
+WORKLOADS = ("decode", "generate")
+CHECK_VERSION = "pair-timing-v1"  # older cached checks (a synthetic matmul) are not reused
 
 
 @dataclass(frozen=True)
@@ -76,35 +74,6 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _time_matmul(dtype: torch.dtype, m: int, reps: int = 15) -> float:
-    """Fastest of ``reps`` [m, 2048] x [2048, 8192] matmuls (the size of a 1.5B model's MLP), in
-    seconds: the minimum, because other load on the machine only ever adds time."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(8192, 2048, generator=g).to(dtype)
-    x = torch.randn(m, 2048, generator=g).to(dtype)
-    with torch.no_grad():
-        for _ in range(3):
-            torch.nn.functional.linear(x, w)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            ts.append(time.perf_counter() - t0)
-    return min(ts)
-
-
-def measure_bf16_gain() -> dict:
-    """float32 time / bf16 time at M = 1 and M = 8 (above 1: bf16 faster)."""
-    out = {}
-    for m in (1, 8):
-        f32 = _time_matmul(torch.float32, m)
-        bf16 = _time_matmul(torch.bfloat16, m)
-        out[f"gain_m{m}"] = f32 / bf16
-        out[f"float32_ms_m{m}"] = 1e3 * f32
-        out[f"bfloat16_ms_m{m}"] = 1e3 * bf16
-    return out
-
-
 def _check_cache_path() -> Path:
     from specstop.paths import cache_dir
 
@@ -133,9 +102,36 @@ def store_check(key: str, value: dict) -> None:
         pass
 
 
-def choose_cpu_dtype(*, measure: bool = True) -> DtypeChoice:
-    """bfloat16 where the CPU has native bf16 matrix units and a measured check confirms it is
-    faster; float32 otherwise. ``SPECSTOP_CPU_DTYPE`` (float32/bfloat16) overrides the choice."""
+def pair_key(draft: str, target: str) -> str:
+    """What identifies a pair for the cached check: each model's path (or hub id), config and weight
+    files' sizes and modification times (a re-converted pair is timed again)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for src in (draft, target):
+        p = Path(src)
+        h.update(str(p.resolve() if p.exists() else src).encode())
+        if p.is_dir():
+            for f in sorted(p.iterdir()):
+                if f.suffix in (".json", ".safetensors", ".bin"):
+                    st = f.stat()
+                    h.update(f"{f.name}\0{st.st_size}\0{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def choose_cpu_dtype(*, pair: tuple[str, str] | None = None, workload: str = "decode") -> DtypeChoice:
+    """The faster of float32 and bfloat16 for ``workload`` on this CPU, measured on ``pair``.
+
+    Args:
+        pair: the (draft, target) folders or hub ids to time. Without one nothing can be timed: the
+            answer then follows the flags alone and says it was not measured.
+        workload: ``decode`` (batch-1 decoding and calibration) or ``generate`` (batched data
+            generation); the two can prefer different dtypes.
+
+    ``SPECSTOP_CPU_DTYPE`` (float32/bfloat16) overrides the choice.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     cpu = cpu_model_name()
     flags = tuple(sorted(f for f in cpu_flags() if f in BF16_FLAGS))
     forced = os.environ.get("SPECSTOP_CPU_DTYPE")
@@ -145,29 +141,47 @@ def choose_cpu_dtype(*, measure: bool = True) -> DtypeChoice:
         return DtypeChoice(
             "float32", "cpu", "CPU has no native bf16 matrix units (no amx_bf16/avx512_bf16): float32", cpu, flags
         )
-    if not measure:
-        return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured)", cpu, flags)
-    key = f"{cpu}|{'+'.join(flags)}|torch {torch.__version__}|threads {torch.get_num_threads()}"
-    gain = cached_check(key)
-    if gain is None:
-        gain = measure_bf16_gain()
-        store_check(key, gain)
-    ok = gain["gain_m8"] >= MIN_GAIN_M8 and gain["gain_m1"] >= 1.0 / MAX_LOSS_M1
-    what = (
-        f"measured bf16 vs float32 matmul: {gain['gain_m1']:.2f}x at 1 row, {gain['gain_m8']:.2f}x at 8 rows"
+    if pair is None:
+        return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured: no pair to time)", cpu, flags)
+    from specstop.pair import dtype_timing
+    from specstop.pair.fast_paths import record_single_row_choice
+
+    key = (f"{CHECK_VERSION}|{cpu}|{'+'.join(flags)}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+           f"|pair {pair_key(*pair)}")
+    m = cached_check(key)
+    cached = m is not None
+    if m is None:
+        room = dtype_timing.float32_room(*pair)
+        if room:
+            return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured: {room})", cpu, flags)
+        m = dtype_timing.measure_pair_dtypes(*pair)
+        store_check(key, m)
+    route = m["single_row"]
+    record_single_row_choice(
+        torch.bfloat16, route == "mv",
+        f"one-row bfloat16 linears via {'torch.mv' if route == 'mv' else 'F.linear'} (timed on this pair: draft + "
+        f"target step {m['draft']['bfloat16+mv']['step'] + m['target']['bfloat16+mv']['step']:.3f} s with torch.mv, "
+        f"{m['draft']['bfloat16+linear']['step'] + m['target']['bfloat16+linear']['step']:.3f} s with F.linear)",
     )
-    if ok:
-        return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)}; {what}: bfloat16", cpu, flags, gain)
-    return DtypeChoice(
-        "float32", "cpu", f"CPU has {'+'.join(flags)} but {what} (not faster): float32", cpu, flags, gain
-    )
+    totals = m[workload]
+    best = min(totals, key=totals.get)
+    other = next(d for d in totals if d != best)
+    reason = (f"CPU has {'+'.join(flags)}; timed on this pair{' (cached)' if cached else ''}: "
+              f"{dtype_timing.describe(m, workload)}: {best} ({totals[other] / totals[best]:.2f}x faster "
+              f"{'decoding' if workload == 'decode' else 'batched generation'} than {other})")
+    return DtypeChoice(best, "cpu", reason, cpu, flags, m)
 
 
-def choose_dtype(device: str | None) -> DtypeChoice:
-    """What ``dtype: auto`` means on ``device`` (None: CUDA when available, else CPU)."""
+def choose_dtype(device: str | None, *, pair: tuple[str, str] | None = None, workload: str = "decode") -> DtypeChoice:
+    """What ``dtype: auto`` means on ``device`` (None: CUDA when available, else CPU) for ``pair``."""
     on_cuda = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
     if on_cuda:
-        return DtypeChoice("bfloat16", "cuda", "CUDA device: bfloat16")
+        index = torch.device(device).index if device and ":" in device else None
+        major, minor = torch.cuda.get_device_capability(index)
+        if major >= 8:
+            return DtypeChoice("bfloat16", "cuda", f"CUDA device with compute capability {major}.{minor}: bfloat16")
+        return DtypeChoice("float16", "cuda",
+                           f"CUDA device with compute capability {major}.{minor} has no bf16 units (needs 8.0): float16")
     if device not in (None, "cpu"):
         return DtypeChoice("float32", str(device), f"device {device}: float32 (auto picks bf16 only on CUDA and bf16 CPUs)")
-    return choose_cpu_dtype()
+    return choose_cpu_dtype(pair=pair, workload=workload)

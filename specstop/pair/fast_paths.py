@@ -138,6 +138,27 @@ def single_row_record() -> dict:
     return {k: v["reason"] for k, v in _CHOICES.items()}
 
 
+def record_single_row_choice(dtype: torch.dtype, use_mv: bool, reason: str) -> None:
+    """Settle the one-row route for ``dtype`` from a measurement of the real models (``dtype: auto``
+    times both routes on the pair itself): later :func:`single_row_matvec` calls follow it."""
+    _CHOICES[str(dtype)] = {"use_mv": bool(use_mv), "reason": reason}
+    log.info(reason)
+
+
+def route_single_rows(model, *, use_mv: bool) -> None:
+    """Switch every bf16/fp16 CPU ``nn.Linear`` of ``model`` to ``torch.mv`` for one-row inputs
+    (``use_mv``) or back to the stock ``F.linear``, whatever any check says (timing both routes)."""
+    for mod in model.modules():
+        if type(mod) is not torch.nn.Linear:
+            continue
+        if use_mv and mod.weight.device.type == "cpu" and mod.weight.dtype in _LOW_PRECISION:
+            mod.forward = types.MethodType(_linear_single_row_mv, mod)
+            setattr(mod, _MV_FLAG, True)
+        elif getattr(mod, _MV_FLAG, False):
+            del mod.forward  # the instance attribute: the class's forward applies again
+            setattr(mod, _MV_FLAG, False)
+
+
 def single_row_matvec(model) -> int:
     """Route one-row inputs of ``model``'s bf16/fp16 CPU ``nn.Linear`` layers through ``torch.mv``
     where :func:`single_row_mv_gain` finds it faster on this CPU (idempotent). Returns the number of

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pair", help=f"a known pair name ({', '.join(KNOWN_PAIRS)}) or a folder with draft/ and target/")
     parser.add_argument("--draft", help="draft model folder or hub id (with --target, instead of --pair)")
     parser.add_argument("--target", help="target model folder or hub id (with --draft, instead of --pair)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: fp32 on CPU)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: the pair's fastest on this machine, timed once and cached)")
     parser.add_argument("--device", default="cpu", help="where to load the models (default: cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 

@@ -39,8 +39,9 @@ class TokenizerMismatchError(UserError):
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None) -> torch.dtype:
     """Map a dtype name (or ``auto``) to a torch dtype.
 
-    ``auto``: bf16 on CUDA; on a CPU bf16 where it has native bf16 matrix units and a measured check
-    confirms bf16 is faster, float32 otherwise (:mod:`specstop.pair.dtype_choice`).
+    ``auto`` without a pair to time follows the device alone (bf16 on CUDA and on CPUs with native
+    bf16 units, float32 otherwise); :func:`load_pair` times the pair itself
+    (:mod:`specstop.pair.dtype_choice`).
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -271,12 +272,16 @@ def load_pair(
     draft_revision: str | None = None,
     target_revision: str | None = None,
     name: str | None = None,
+    dtype_workload: str = "decode",
 ) -> ModelPair:
     """Load a draft and a target that share a tokenizer.
 
     Args:
         draft, target: local Hugging Face folders or hub ids.
-        dtype: ``float32``/``bfloat16``/``float16`` or ``auto`` (bf16 on CUDA, fp32 on CPU).
+        dtype: ``float32``/``bfloat16``/``float16`` or ``auto`` (this pair's fastest on this machine,
+            timed: :mod:`specstop.pair.dtype_choice`).
+        dtype_workload: what ``auto`` optimises: ``decode`` (batch-1 decoding, calibration) or
+            ``generate`` (batched data generation).
         device: device for the draft (and the target unless ``target_device_map`` is given).
         target_device_map: e.g. ``"auto"`` to spread a target larger than one GPU.
 
@@ -298,7 +303,7 @@ def load_pair(
     with loading_errors(f"target {target!r}"):
         target_tok = load_tokenizer(target_src, target_revision)
     check_same_tokenizer(draft_tok, target_tok, draft, target)
-    choice = _dtype_record(dtype, device)
+    choice = _dtype_record(dtype, device, pair=(draft_src, target_src), workload=dtype_workload)
     if dtype in (None, "auto"):
         log.info("dtype auto -> %s (%s)", choice["dtype"], choice["reason"])
         dtype = choice["dtype"]
@@ -325,12 +330,13 @@ def load_pair(
     return pair
 
 
-def _dtype_record(dtype, device: str | None) -> dict:
+def _dtype_record(dtype, device: str | None, *, pair: tuple[str, str] | None = None, workload: str = "decode") -> dict:
     """``{"dtype", "requested", "reason", ...}``: what the pair runs in and why (manifests, cost files, reports)."""
     from specstop.pair.dtype_choice import choose_dtype
 
     if dtype in (None, "auto"):
-        rec = choose_dtype(device or default_device()).to_dict()
+        rec = choose_dtype(device or default_device(), pair=pair, workload=workload).to_dict()
+        rec["workload"] = workload
         rec["requested"] = "auto"
         return rec
     name = str(resolve_dtype(dtype)).replace("torch.", "")

@@ -1,0 +1,110 @@
+"""Is a cost table fit to price rounds? Checked before anything trusts it.
+
+A t_target(K) table is only as good as its samples. On a 2-core AMD EPYC (Zen 5) a float32
+calibration read 1.94 / 0.86 / 3.77 / 0.65 s at K = 1 / 2 / 3 / 8: a longer verification cannot
+be 4x cheaper than a shorter one, yet the tuner priced rounds with it and the report showed the
+Oracle slower than Static SL-opt. Three checks catch such a table:
+
+* **spread**: the interquartile range of each K's samples, relative to its median, stays within
+  :data:`SPREAD_LIMIT` (calibration re-measures the K that fail before it gives up);
+* **order**: t_target(K) does not fall as K grows, beyond :data:`DROP_TOLERANCE` of noise;
+* **decoder agreement**: the rounds the real decoder runs cost what the table says, within
+  :data:`DECODER_TOLERANCE` (calibrate-cost decodes a few tokens after timing the table).
+
+``tune``, ``eval`` and the pipeline refuse a table that fails, in one line naming the K and the
+figure, unless forced (``--force-cost`` / ``force_cost: true``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from specstop.errors import UserError
+
+SPREAD_LIMIT = 0.20
+DROP_TOLERANCE = 0.10
+DECODER_TOLERANCE = 0.15
+# Differences below this many seconds are timer and interpreter noise, not what the checks are about
+# (they matter for millisecond forwards of tiny test models, never for a real pair's).
+NOISE_FLOOR_S = 0.005
+
+
+def spread_problems(samples: Mapping[int, Sequence[float]], limit: float = SPREAD_LIMIT) -> list[tuple[tuple[int, ...], str]]:
+    """``((k,), "K=k spread x% ...")`` for every K whose samples' IQR / median exceeds ``limit``."""
+    out = []
+    for k, v in sorted(samples.items()):
+        if len(v) < 3:
+            continue
+        q1, med, q3 = np.percentile(v, [25, 50, 75])
+        out += _spread(k, float(q1), float(med), float(q3), limit)
+    return out
+
+
+def _spread(k: int, q1: float, med: float, q3: float, limit: float) -> list[tuple[tuple[int, ...], str]]:
+    rel = (q3 - q1) / med if med > 0 else np.inf
+    if rel <= limit or q3 - q1 <= NOISE_FLOOR_S:
+        return []
+    return [((k,), f"K={k} spread {100 * rel:.0f}% (IQR {q1:.3f}-{q3:.3f} s around {med:.3f} s; limit {100 * limit:.0f}%)")]
+
+
+def order_problems(medians: Mapping[int, float], tolerance: float = DROP_TOLERANCE) -> list[tuple[tuple[int, ...], str]]:
+    """``((a, b1, b2, ...), "t_target(K=a) ... is above longer verifications ...")`` for every K = a that
+    costs more, beyond noise, than verifications of more tokens (K = b1, b2, ... > a): one problem per
+    suspect K, naming the longer passes it contradicts."""
+    out = []
+    ks = sorted(medians)
+    for i, a in enumerate(ks):
+        below = [b for b in ks[i + 1 :]
+                 if medians[b] < medians[a] * (1.0 - tolerance) and medians[a] - medians[b] > NOISE_FLOOR_S]
+        if below:
+            lows = ", ".join(f"K={b} {medians[b]:.3f} s" for b in below)
+            out.append(((a, *below), f"t_target(K={a}) {medians[a]:.3f} s is above longer verifications ({lows}): "
+                                     "verifying more tokens cannot be cheaper"))
+    return out
+
+
+def decoder_problems(check: Mapping | None, tolerance: float = DECODER_TOLERANCE) -> list[str]:
+    """The decoder-agreement part of a calibration's check (see :func:`specstop.eval.calibrate.decoder_check`)."""
+    out = []
+    for name, rec in (check or {}).items():
+        ratio = rec.get("ratio")
+        if ratio is not None and abs(ratio - 1.0) > tolerance and abs(rec["measured"] - rec["predicted"]) > NOISE_FLOOR_S:
+            out.append(f"{name}: the decoder measured {rec['measured']:.3f} s per round where the table predicts "
+                       f"{rec['predicted']:.3f} s ({ratio:.2f}x)")
+    return out
+
+
+def table_problems(cost) -> list[str]:
+    """Every problem of a :class:`~specstop.eval.cost.CostModel`'s table (empty: fit to use).
+
+    Presets are not checked (they say they are presets wherever they are used); measured tables are
+    checked on their medians, on their samples' spread where the file kept it, and on the decoder
+    agreement its calibration recorded.
+    """
+    if cost.is_preset or not cost.target_by_k:
+        return []
+    fit = cost.fit or {}
+    problems = []
+    for k, (q1, q3) in sorted((int(k), v) for k, v in (fit.get("target_iqr_by_k") or {}).items()):
+        if k in cost.target_by_k:
+            problems += [msg for _, msg in _spread(k, q1, cost.target_by_k[k], q3, SPREAD_LIMIT)]
+    problems += [msg for _, msg in order_problems(cost.target_by_k)]
+    problems += decoder_problems(fit.get("decoder_check"))
+    return problems
+
+
+def require_usable(cost, *, force: bool = False, flag: str = "--force-cost") -> list[str]:
+    """Refuse a cost table that fails :func:`table_problems` unless ``force``; returns the problems.
+
+    Raises:
+        UserError: one line naming the cost model, each problem and the two ways out.
+    """
+    problems = table_problems(cost)
+    if problems and not force:
+        raise UserError(
+            f"cost model {cost.name} fails its check: {'; '.join(problems)}. Re-run `specstop calibrate-cost` on an "
+            f"idle machine (or in the faster dtype), or pass {flag} to price with it anyway"
+        )
+    return problems

@@ -1,0 +1,190 @@
+"""Time the pair's own forwards in every candidate CPU dtype: what ``dtype: auto`` decides from.
+
+A synthetic matmul is not what the two models do: on a 2-core AMD EPYC (Zen 5) a one-row bf16
+matmul timed 0.71x float32 while the real pair decoded 2.5x faster in bf16, so the old check picked
+the slower dtype for every stage. This module loads each model once, in float32, and times the
+three forwards decoding is made of, at a realistic context, then casts the same weights to bf16 in
+place and times them again (one copy in memory at a time; casting back to float32 for the next
+round is exact, so rounds alternate and drift hits both dtypes alike):
+
+* ``step``: one token after ``CONTEXT_TOKENS`` of KV cache (a draft step, a target-only step);
+* ``verify``: ``VERIFY_TOKENS`` tokens at once (the target verifying K = 8 drafted tokens);
+* ``batch``: ``BATCH_ROWS`` sequences stepping one token each (batched data generation).
+
+In bf16 the one-row kernel route (``F.linear`` or ``torch.mv``, :mod:`specstop.pair.fast_paths`)
+is timed both ways in the same rounds, so the dtype and the route are settled by one measurement.
+About a minute for the 0.5B/1.5B reference pair on a 2-core CPU, once per CPU, torch version,
+thread count and pair (the result is cached).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+CONTEXT_TOKENS = 64
+VERIFY_TOKENS = 9  # K = 8 drafted tokens plus the token before them
+BATCH_ROWS = 8
+BATCH_CONTEXT = 16
+ROUNDS = 2
+REPS = 3
+VARIANTS = ("float32", "bfloat16+linear", "bfloat16+mv")
+
+
+class _Stepper:
+    """A model with a KV cache filled to a fixed context; times one forward and rolls it back."""
+
+    def __init__(self, model, rows: int, context: int, seed: int) -> None:
+        from transformers import DynamicCache
+
+        from specstop.pair.compat import cache_kwarg
+
+        self.model = model
+        self.kw = lambda: cache_kwarg(model, self.cache)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (rows, context + VERIFY_TOKENS), generator=g)
+        self.context = context
+        self.cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=self.ids[:, :context], **self.kw(), use_cache=True, logits_to_keep=1)
+
+    @torch.no_grad()
+    def time(self, n_tokens: int) -> float:
+        ids = self.ids[:, self.context : self.context + n_tokens]
+        pos = torch.arange(self.context, self.context + n_tokens)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=ids, **self.kw(), use_cache=True, cache_position=pos,
+                         position_ids=pos.unsqueeze(0).expand(ids.shape[0], -1), logits_to_keep=n_tokens)
+        out.logits[:, -1].argmax(-1).tolist()  # what a decoder does with them: forces the work
+        dt = time.perf_counter() - t0
+        self.cache.crop(-n_tokens)  # transformers 5: a negative count removes tokens
+        return dt
+
+
+def _time_dtype(model, routes: tuple[bool, ...], *, verify: bool, reps: int, seed: int) -> list[dict[str, list[float]]]:
+    """Per one-row route in ``routes`` (False: F.linear, True: torch.mv), ``{"step": [...],
+    "batch": [...][, "verify": [...]]}`` seconds for ``model`` in its current dtype. The routes share
+    the filled caches and alternate rep by rep, so drift hits both."""
+    from specstop.pair.fast_paths import route_single_rows
+
+    single = _Stepper(model, 1, CONTEXT_TOKENS, seed)
+    batch = _Stepper(model, BATCH_ROWS, BATCH_CONTEXT, seed + 1)
+    kinds = {"step": lambda: single.time(1), "batch": lambda: batch.time(1)}
+    if verify:
+        kinds["verify"] = lambda: single.time(VERIFY_TOKENS)
+    out: list[dict[str, list[float]]] = [{k: [] for k in kinds} for _ in routes]
+    for rep in range(reps + 1):  # rep 0 warms up: allocator, kernel selection per shape
+        for i, use_mv in enumerate(routes):
+            route_single_rows(model, use_mv=use_mv)
+            for kind, fn in kinds.items():
+                t = fn()
+                if rep:
+                    out[i][kind].append(t)
+    return out
+
+
+def time_model(source: str | torch.nn.Module, *, verify: bool, rounds: int = ROUNDS, reps: int = REPS,
+               seed: int = 0) -> dict[str, dict[str, float]]:
+    """Median seconds per forward kind for each of :data:`VARIANTS`.
+
+    Args:
+        source: a Hugging Face folder or hub id (loaded in float32), or a float32 model in memory
+            (tests); it is cast in place and left in float32.
+        verify: also time the ``VERIFY_TOKENS`` forward (the target's verification).
+
+    Returns:
+        ``{variant: {"step": s, "batch": s[, "verify": s]}}``.
+    """
+    from specstop.pair.fast_paths import contiguous_output_head, route_single_rows
+
+    if isinstance(source, torch.nn.Module):
+        model = source
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.eval()
+    contiguous_output_head(model)
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    try:
+        for r in range(rounds):
+            for dtype, variants in ((torch.float32, ("float32",)), (torch.bfloat16, ("bfloat16+linear", "bfloat16+mv"))):
+                model.to(dtype)  # bf16 -> float32 is exact: later float32 rounds time the same weights' shapes
+                routes = tuple(v.endswith("+mv") for v in variants)
+                for variant, got in zip(variants, _time_dtype(model, routes, verify=verify, reps=reps, seed=seed + r)):
+                    for kind, ts in got.items():
+                        samples[variant].setdefault(kind, []).extend(ts)
+    finally:
+        route_single_rows(model, use_mv=False)
+        model.to(torch.float32)
+    return {v: {k: float(np.median(ts)) for k, ts in kinds.items()} for v, kinds in samples.items()}
+
+
+def float32_room(draft: str, target: str) -> str | None:
+    """Why the larger model cannot be timed in float32 here (not enough free memory), or None."""
+    from pathlib import Path
+
+    from specstop.errors import ResourceLimitError
+    from specstop.memory import check_fits
+    from specstop.pair.weights import estimated_load_bytes
+
+    sizes = [estimated_load_bytes(s, 4) or 0 for s in (draft, target) if Path(s).is_dir()]
+    try:
+        check_fits(int(max(sizes, default=0) * 1.2), "timing the target in float32", "use --dtype bfloat16")
+    except ResourceLimitError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def measure_pair_dtypes(draft: str, target: str) -> dict:
+    """Time the draft and then the target (one model in memory at a time) and decide.
+
+    Returns:
+        ``{"draft": {variant: {...}}, "target": {variant: {...}}, "single_row": "mv" | "linear",
+        "decode": {dtype: s}, "generate": {dtype: s}, "seconds": s}`` where ``decode`` is a draft
+        step + a target step + a K = 8 verification and ``generate`` a batched draft step + a
+        batched target step, each in its dtype's faster one-row route.
+    """
+    t0 = time.perf_counter()
+    log.info("dtype auto: timing the draft's and the target's forwards in float32 and bfloat16 "
+             "(once per CPU, torch, threads and pair; about a minute)")
+    figures = {}
+    for role, src in (("draft", draft), ("target", target)):
+        figures[role] = time_model(src, verify=role == "target")
+        gc.collect()
+    return {**figures, **decide(figures), "seconds": time.perf_counter() - t0}
+
+
+def decide(figures: dict) -> dict:
+    """The one-row route for bf16 and each workload's total per dtype, from :func:`time_model` figures."""
+    d, t = figures["draft"], figures["target"]
+
+    def one_row(v: str) -> float:
+        return d[v]["step"] + t[v]["step"]
+
+    # torch.mv only where it is clearly faster: a tie keeps the stock kernel.
+    route = "mv" if one_row("bfloat16+mv") * 1.05 < one_row("bfloat16+linear") else "linear"
+    chosen = {"float32": "float32", "bfloat16": f"bfloat16+{route}"}
+    decode = {dt: d[v]["step"] + t[v]["step"] + t[v]["verify"] for dt, v in chosen.items()}
+    generate = {dt: d[v]["batch"] + t[v]["batch"] for dt, v in chosen.items()}
+    return {"single_row": route, "decode": decode, "generate": generate}
+
+
+def describe(m: dict, workload: str) -> str:
+    """One line of the figures that decided ``workload`` ("decode" or "generate")."""
+    d, t, route = m["draft"], m["target"], m["single_row"]
+    parts = []
+    for dt, v in (("float32", "float32"), ("bfloat16", f"bfloat16+{route}")):
+        if workload == "generate":
+            parts.append(f"{dt} batch-{BATCH_ROWS} steps draft {d[v]['batch']:.3f} s + target {t[v]['batch']:.3f} s")
+        else:
+            parts.append(f"{dt} draft step {d[v]['step']:.3f} s, target step {t[v]['step']:.3f} s, "
+                         f"K=8 verification {t[v]['verify']:.3f} s")
+    return "; ".join(parts) + f" (bf16 one-row linears via {'torch.mv' if route == 'mv' else 'F.linear'})"

@@ -1,0 +1,149 @@
+"""A cost table is checked before anything prices rounds with it; the report and the online check
+say what they could not honestly show."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specstop.errors import UserError
+from specstop.eval.cost import PRESETS, CostModel
+from specstop.eval.cost_check import order_problems, require_usable, spread_problems, table_problems
+
+# The float32 table a 2-core AMD EPYC (Zen 5) calibrated, and the bf16 one of the same machine.
+ERRATIC = {0: 0.291, 1: 0.586, 2: 0.840, 3: 0.517, 4: 0.526, 8: 0.636, 16: 0.693}
+SMOOTH = {0: 0.115, 1: 0.111, 2: 0.112, 3: 0.113, 4: 0.117, 8: 0.129, 16: 0.153}
+
+
+def measured(table: dict, **fit) -> CostModel:
+    return CostModel(t_draft=0.04, t_target=0.11, target_by_k=table, provenance="measured", name="cost.json",
+                     fit=fit or None)
+
+
+def test_an_injected_erratic_k_is_caught():
+    problems = table_problems(measured(ERRATIC))
+    assert len(problems) == 2  # K=1 and K=2 both cost more than K=3 (and K=2 more than K=4 and K=16)
+    assert problems[1].startswith("t_target(K=2) 0.840 s is above longer verifications (K=3 0.517 s, K=4 0.526 s")
+    with pytest.raises(UserError) as err:
+        require_usable(measured(ERRATIC))
+    msg = str(err.value)
+    assert "\n" not in msg and "K=2" in msg and "--force-cost" in msg and "calibrate-cost" in msg
+    assert require_usable(measured(ERRATIC), force=True) == problems
+
+
+def test_smooth_tables_and_presets_pass():
+    assert table_problems(measured(SMOOTH)) == []  # K=1 3% under K=0: noise, not an erratic K
+    assert all(table_problems(p) == [] for p in PRESETS.values())
+
+
+def test_spread_and_decoder_disagreement_are_problems():
+    wide = measured(SMOOTH, target_iqr_by_k={"8": [0.08, 0.20]})
+    assert any(p.startswith("K=8 spread") for p in table_problems(wide))
+    off = measured(SMOOTH, decoder_check={"target-only step": {"measured": 0.159, "predicted": 0.125,
+                                                                 "ratio": 1.27, "rounds": 10}})
+    assert table_problems(off) == ["target-only step: the decoder measured 0.159 s per round where the table "
+                                   "predicts 0.125 s (1.27x)"]
+    samples = {0: [0.1, 0.1, 0.1, 0.1], 2: [0.3, 0.8, 0.9, 1.9, 0.4]}
+    assert [ks for ks, _ in spread_problems(samples)] == [(2,)]
+    # The quickstart's float32 calibration on the same machine.
+    assert [ks for ks, _ in order_problems({0: 0.29, 1: 1.94, 2: 0.86, 3: 3.77, 8: 0.65})] == [(1, 2, 8), (2, 8), (3, 8)]
+
+
+def test_calibrate_remeasures_suspect_k(monkeypatch):
+    from specstop.eval import calibrate as cal
+    from specstop.testing import tiny_pair
+
+    calls = []
+
+    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0):
+        calls.append(tuple(k_grid))
+        base = {k: [0.1 + 0.01 * k] * 4 for k in k_grid}
+        if len(calls) == 1:
+            base[2] = [0.9, 0.3, 1.8, 0.95]  # a burst of load on K = 2
+        return {"draft": [0.02] * 8, "target": base, "rounds": 4, "seconds": 1.0}
+
+    monkeypatch.setattr(cal, "time_pair", fake_time_pair)
+    cost, raw = cal.calibrate(tiny_pair(), context=list(range(60)), context_tokens=20, budget_s=1.0,
+                              k_grid=(0, 1, 2, 4), progress=False, check_decoder=False)
+    assert calls == [(0, 1, 2, 4), (2, 4)]  # K=2 spread, and it sits above K=4
+    assert cost.fit["check"] == {"problems": [], "remeasured": [2, 4]}
+    assert cost.target_by_k[2] == pytest.approx(0.12)
+
+
+def test_calibrate_checks_the_table_against_the_decoder():
+    from specstop.eval.calibrate import build_context, calibrate
+    from specstop.testing import tiny_pair
+
+    pair = tiny_pair()
+    ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 40)
+    cost, _ = calibrate(pair, context=ctx, context_tokens=40, budget_s=0.2, k_grid=(0, 1, 4), progress=False)
+    check = cost.fit["decoder_check"]
+    assert set(check) == {"target-only step", "static:4 round"}
+    for rec in check.values():
+        assert rec["rounds"] >= 1 and rec["measured"] > 0 and rec["ratio"] == pytest.approx(rec["measured"] / rec["predicted"])
+    assert "problems" in cost.fit["check"]
+
+
+def test_tune_refuses_an_erratic_cost_file_unless_forced(tmp_path, capsys):
+    pytest.importorskip("datasets")
+    from specstop.cli import main
+    from specstop.testing import write_synthetic_dataset
+
+    data = write_synthetic_dataset(tmp_path / "data", {"validation": 3}, tokens_per_prompt=30, with_rollouts=True)
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps(measured(ERRATIC, rounds=3).to_dict()))
+    argv = ["tune", "--data", str(data), "--cost-model", str(cost), "--out", str(tmp_path / "tuned.json"),
+            "--sl-max-grid", "4"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "K=2" in err[0] and "--force-cost" in err[0]
+    assert not (tmp_path / "tuned.json").exists()
+    assert main([*argv, "--force-cost"]) == 0 and (tmp_path / "tuned.json").is_file()
+
+
+def _row(label: str, lat: float) -> dict:
+    return {"label": label, "latency_per_token": lat}
+
+
+def test_gap_closed_only_when_the_oracle_is_fastest():
+    from specstop.eval.report import _relative_columns
+
+    rows = {"static_opt": _row("Static SL-opt", 0.10), "disco": _row("DISCO", 0.09), "oracle": _row("Oracle", 0.08),
+            "pearl": _row("PEARL", 0.05)}  # PEARL runs the models in parallel: the chain's Oracle does not bound it
+    assert _relative_columns(rows) is None
+    assert rows["disco"]["gap_closed"] == pytest.approx(0.5)
+    # The quickstart's float32 table: the Oracle priced at 0.823x, below Static SL-opt at 0.888x.
+    rows = {"static_opt": _row("Static SL-opt", 0.100), "disco": _row("DISCO", 0.105), "oracle": _row("Oracle", 0.108)}
+    why = _relative_columns(rows)
+    assert "Oracle (0.10800 s/token) is slower than Static SL-opt" in why and "cost table" in why
+    assert all(r["gap_closed"] is None for r in rows.values())
+    assert rows["disco"]["improvement_over_static_opt"] == pytest.approx(-0.05)
+
+
+def test_online_check_sizes_itself_to_its_budget():
+    from specstop.eval.online_budget import estimate, size_online_check
+
+    cost = measured(SMOOTH)
+    lens = [120] * 8
+    full = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=None)
+    assert (full.prompts, full.max_new_tokens) == (8, 32) and "budget" not in full.line()
+    assert full.estimate_s == pytest.approx(estimate(cost, lens, 32, 2, 5))
+    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=full.estimate_s / 3)
+    assert fit.prompts < 8 and fit.max_new_tokens == 32 and fit.estimate_s <= full.estimate_s / 3
+    assert "sized to its" in fit.line() and f"{fit.prompts} prompts x 32 tokens x 2 repeats x 5 methods" in fit.line()
+    tiny = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=1.0)
+    assert tiny.prompts == 2 and tiny.max_new_tokens == 16  # the floor: still a check, said so in its line
+    assert np.isfinite(tiny.estimate_s)
+
+
+def test_remeasuring_a_few_short_k_still_times_the_draft():
+    # A re-measure of K = 1 alone still takes DRAFT_STEPS_PER_ROUND draft steps from the block.
+    from specstop.eval.calibrate import DRAFT_STEPS_PER_ROUND, build_context, time_pair
+    from specstop.testing import tiny_pair
+
+    pair = tiny_pair()
+    ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 30)
+    raw = time_pair(pair, ctx, context_tokens=30, budget_s=0.05, k_grid=(1,), progress=False)
+    assert set(raw["target"]) == {1} and len(raw["draft"]) == raw["rounds"] * DRAFT_STEPS_PER_ROUND
