@@ -9,6 +9,11 @@ Methods (greedy):
                         with plain from_pretrained (no specstop fast paths): what stock transformers gives
     ours:<policy>       our SpeculativeDecoder with each --policy (static:K, heuristic, confidence:T, an export
                         folder, or tuned:NAME for a policy of --tuned FILE, e.g. tuned:static_opt)
+    ours <tree>         our TreeDecoder for --policy mcsd:K1,K2,... / tree:N[,W[,D]] (token trees; no replay
+                        and no cost-model prediction: the chain cost model prices K tokens as K draft forwards)
+    ours pearl[:G]      our PearlDecoder for --policy pearl / pearl:G (draft and target in parallel worker
+                        processes on split cores; gamma from --cost when given, else measured; no replay and no
+                        chain cost-model prediction)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
@@ -62,10 +67,20 @@ def text_prompts(args, tokenizer) -> list[list[int]]:
 
 
 def load_policy(text: str, pair, tuned: dict | None):
-    """(display name, StoppingPolicy) for static:K / heuristic / confidence:T / an export folder / tuned:NAME."""
+    """(display name, StoppingPolicy) for static:K / heuristic / confidence:T / an export folder / tuned:NAME;
+    (text, tree shape) for mcsd:... / tree:N; (text, PEARL spec) for pearl / pearl:G."""
+    from specstop.decode import parse_tree_policy
+    from specstop.decode.pearl_spec import parse_pearl_policy
+    from specstop.errors import UserError
     from specstop.export.runtime import StoppingPolicy
     from specstop.policy import PolicySpec
 
+    try:
+        shape = parse_tree_policy(text) or parse_pearl_policy(text)
+    except UserError as err:
+        raise SystemExit(str(err)) from None
+    if shape is not None:
+        return text, shape
     if text.startswith("tuned:"):
         if tuned is None:
             raise SystemExit(f"--policy {text} needs --tuned FILE")
@@ -114,7 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
 
+    import dataclasses
+
     from specstop.data_gen.storage import read_manifest
+    from specstop.decode import TreeDecoder
+    from specstop.decode.pearl import PearlDecoder
+    from specstop.decode.pearl_spec import PearlSpec
     from specstop.eval import online
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.decoder import SpeculativeDecoder
@@ -143,15 +163,35 @@ def main(argv=None) -> int:
     if args.hf_target:
         methods.append(online.hf_target_method("target (HF generate)", pair))
     loaded = [(text, *load_policy(text, pair, tuned)) for text in args.policy or ["static:4"]]
+    chains = [(text, name, pol) for text, name, pol in loaded if isinstance(pol, StoppingPolicy)]
     same = {}
     if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
         # The replay of exactly these prompts at this budget: the like-for-like prediction.
-        same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in loaded}, cost)
+        same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in chains}, cost)
     ref_text = args.reference or ("tuned:static_opt" if "tuned:static_opt" in (args.policy or []) else None)
     reference = next((f"ours {name}" for text, name, _ in loaded if text == ref_text), None)
     if ref_text and reference is None:
         raise SystemExit(f"--reference {ref_text} is not one of the --policy values")
+    pearls = []
     for text, name, pol in loaded:
+        if isinstance(pol, PearlSpec):
+            if pol.gamma is None and cost is not None:
+                from specstop.eval.pearl import pearl_gamma
+
+                pol = pol.with_gamma(pearl_gamma(cost))
+            pearls.append(PearlDecoder(pair, pol, DecodingConfig()).start())
+            print(f"{name}: {pearls[-1].gamma_source if pol.gamma is None else f'gamma={pol.gamma}'}, "
+                  f"workers {pearls[-1].workers.describe()}")
+            fn = online.decoder_method(f"ours {name}", pearls[-1]).fn  # no chain round histogram, as for trees
+            methods.append(online.Method(f"ours {name}", lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None)))
+            continue
+        if not isinstance(pol, StoppingPolicy):  # a token tree
+            tree = online.decoder_method(f"ours {name}", TreeDecoder(pair, pol, DecodingConfig()))
+            if cost is not None:  # no round histogram: the chain cost model would misprice tree rounds
+                fn = tree.fn
+                tree = dataclasses.replace(tree, fn=lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None))
+            methods.append(tree)
+            continue
         replay = None
         if replay_rows:
             from specstop.eval.report import row_key_for_policy
@@ -175,7 +215,11 @@ def main(argv=None) -> int:
     if args.hf_heuristic:
         methods.append(online.hf_assisted_method("hf-heuristic", pair, num_assistant_tokens=5,
                                                  schedule="heuristic", confidence=None))
-    meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats)
+    try:
+        meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats)
+    finally:
+        for dec in pearls:
+            dec.close()
     flips = online.greedy_flips(pair, prompts, meas, "target")
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference)
     print()

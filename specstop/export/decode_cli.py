@@ -18,8 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="static:4",
-        help="static:K | heuristic[:START] | confidence[:TAU] | an export folder (default static:4)",
+        help="static:K | heuristic[:START] | confidence[:TAU] | an export folder (default static:4); token trees: "
+        "mcsd:K1,K2,... (MCSD k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); "
+        "parallel: pearl (window round(t_target / t_draft)) | pearl:GAMMA",
     )
+    parser.add_argument(
+        "--cost-model", default=None,
+        help="pearl: take the window from this cost model (preset or cost.json from calibrate-cost); "
+        "default: a quick measurement on the workers' cores",
+    )
+    parser.add_argument("--pearl-cores", default=None, metavar="D,T",
+                        help="pearl on CPU: D cores for the draft, T for the target (default: a quarter for the draft)")
+    parser.add_argument("--pearl-no-pre-verify", action="store_true", help="pearl ablation: no pre-verify")
+    parser.add_argument("--pearl-no-post-verify", action="store_true", help="pearl ablation: no post-verify")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -28,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line: token ids, text, counters, timings")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as is")
     parser.add_argument("--system-prompt", default=None, help="system message for the chat template")
-    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the pair's fastest on this machine, timed once and cached)")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     parser.add_argument("--static-cache", action="store_true", help="use a static KV cache (CUDA regime)")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models (implies --static-cache)")
@@ -56,27 +67,53 @@ def render(text: str, tokenizer, chat_template: bool, system_prompt: str | None 
 
 
 def run(args: argparse.Namespace) -> int:
+    from specstop.decode import TreeDecoder, parse_tree_policy
     from specstop.export.decoder import SpeculativeDecoder
-    from specstop.export.runtime import StoppingPolicy
+    from specstop.export.runtime import StoppingPolicy, check_policy_inputs
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
 
     check_range("--max-new-tokens", args.max_new_tokens, low=1)
+    shape = parse_tree_policy(args.policy)  # before loading models: a malformed spec fails at once
+    pearl = _pearl_options(args)
+    if (shape is not None or pearl is not None) and (args.static_cache or args.compile):
+        flag = "--compile" if args.compile else "--static-cache"
+        kind = "tree" if shape is not None else "parallel"
+        raise UserError(f"{flag} is for chain policies; {kind} policy {args.policy} runs on a dynamic KV cache - drop {flag}")
     decoding = DecodingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not text.strip():
         raise UserError("--prompt is empty; give the text to continue ('-' reads it from stdin)")
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
-    policy = StoppingPolicy.load(
-        args.policy,
-        draft_identity=pair.draft_identity,
-        tokenizer_hash=pair.tokenizer_hash,
-        allow_draft_mismatch=args.allow_draft_mismatch,
-        device=pair.draft_device,
-    )
-    decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
+    from specstop.pair.context import check_fits
+
+    if pearl is not None:
+        decoder = _pearl_decoder(pair, decoding, *pearl)
+    elif shape is not None:
+        decoder = TreeDecoder(pair, shape, decoding)
+    else:
+        policy = StoppingPolicy.load(
+            args.policy,
+            draft_identity=pair.draft_identity,
+            tokenizer_hash=pair.tokenizer_hash,
+            allow_draft_mismatch=args.allow_draft_mismatch,
+            device=pair.draft_device,
+        )
+        check_policy_inputs(policy, pair.draft_identity.hidden_size, args.policy)
+        decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
     prompt_ids = render(text, pair.tokenizer, not args.no_chat_template, args.system_prompt)
-    result = decoder.generate(prompt_ids, args.max_new_tokens, seed=args.seed)
+    check_fits(
+        pair, len(prompt_ids) + args.max_new_tokens,
+        f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens}",
+        "shorten the prompt or lower --max-new-tokens",
+    )
+    try:
+        if pearl is not None:
+            print(decoder.start().gamma_source, file=sys.stderr)  # the window and where it came from
+        result = decoder.generate(prompt_ids, args.max_new_tokens, seed=args.seed)
+    finally:
+        if pearl is not None:
+            decoder.close()  # the worker processes end here (generate ends them itself on errors)
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, **result.to_dict()}))
     else:
@@ -88,3 +125,50 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _pearl_options(args: argparse.Namespace):
+    """``(spec, cores, cost)`` for ``--policy pearl[:GAMMA]`` (None for other policies), every problem a
+    one-line error before any model is loaded."""
+    from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy, split_cores
+
+    spec = parse_pearl_policy(args.policy)
+    pearl_flags = [f for f, on in (("--pearl-cores", args.pearl_cores is not None),
+                                   ("--pearl-no-pre-verify", args.pearl_no_pre_verify),
+                                   ("--pearl-no-post-verify", args.pearl_no_post_verify),
+                                   ("--cost-model", args.cost_model is not None)) if on]
+    if spec is None:
+        if pearl_flags:
+            raise UserError(f"{pearl_flags[0]} is read by --policy pearl only; drop it or use --policy pearl")
+        return None
+    if spec.gamma is not None and args.cost_model is not None:
+        raise UserError(f"--policy {args.policy} fixes the window; drop --cost-model or use --policy pearl")
+    spec = PearlSpec(spec.gamma, not args.pearl_no_pre_verify, not args.pearl_no_post_verify)
+    cost = None
+    if args.cost_model is not None:
+        from specstop.eval.tune_cli import load_cost_model_arg
+
+        cost = load_cost_model_arg(args.cost_model)
+    import torch
+
+    on_cuda = str(args.device).startswith("cuda") if args.device else torch.cuda.is_available()
+    cores = None if on_cuda else split_cores(args.pearl_cores)  # CUDA runs the models on streams/devices
+    return spec, cores, cost
+
+
+def _pearl_decoder(pair, decoding, spec, cores, cost):
+    """The PEARL decoder (workers not started yet); ``gamma_source`` says where its window comes from."""
+    from specstop.decode.pearl import PearlDecoder
+
+    line = None
+    if cost is not None:
+        from specstop.eval.pearl import pearl_gamma
+
+        spec = spec.with_gamma(pearl_gamma(cost))
+        line = (f"PEARL window gamma={spec.gamma} = round(t_target {cost.single_step * 1e3:.1f} ms / t_draft "
+                f"{cost.draft_step * 1e3:.1f} ms) from cost model {cost.name}")
+    elif spec.gamma is not None:
+        line = f"PEARL window gamma={spec.gamma} as given"
+    decoder = PearlDecoder(pair, spec, decoding, cores=cores)
+    decoder.gamma_source = line  # None: measured when the workers start
+    return decoder

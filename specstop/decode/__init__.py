@@ -1,0 +1,27 @@
+"""Multi-candidate (token tree) speculative decoding: shapes, tree attention, drafting, verification.
+
+Imports flow one way: ``token_tree`` <- ``tree_shape`` <- ``drafting`` / ``verify`` / ``tree_cache``
+<- ``tree_decoder``. The chain decoder (:mod:`specstop.export.decoder`) supplies the shared pieces
+(``DecodeResult``, EOS ids, the phase timer, the cached-model wrapper).
+
+PEARL (draft and target in parallel): ``pearl_spec`` <- ``pearl_server`` <- ``pearl_workers`` <- ``pearl``
+<- ``pearl_timing``.
+"""
+
+from specstop.decode.pearl import PearlDecoder
+from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy
+from specstop.decode.pearl_workers import PearlWorkers, WorkerError
+from specstop.decode.tree_decoder import TreeDecoder
+from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, parse_tree_policy
+
+__all__ = [
+    "DynamicTreeShape",
+    "PearlDecoder",
+    "PearlSpec",
+    "PearlWorkers",
+    "StaticTreeShape",
+    "TreeDecoder",
+    "WorkerError",
+    "parse_pearl_policy",
+    "parse_tree_policy",
+]

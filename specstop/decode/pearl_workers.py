@@ -1,0 +1,389 @@
+"""The two PEARL workers, each hosting one :class:`~specstop.decode.pearl_server.ModelServer`.
+
+CPU (``processes``): one spawned process per model, pinned with ``os.sched_setaffinity`` to its own
+cores and running ``torch.set_num_threads(len(cores))``, so the two forwards really run at the same
+time without sharing an intra-op pool. Requests and token ids travel through a pipe; probability
+rows (sampling) through a shared-memory buffer per worker, so a 150k-token vocabulary is not pickled
+each phase. Each model reaches its worker as a ``torch.save`` file in a private temporary folder
+(under ``/dev/shm`` where it exists), loaded with ``mmap=True``: the worker's weights are the file's
+pages, not a copy. Every file is deleted as soon as the workers have mapped it, so nothing is left
+behind even if the parent is killed later; :meth:`PearlWorkers.close` (also on errors and Ctrl-C)
+ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole process
+group, and the parent, not each child, decides how to shut down - and exit on their own when the
+parent's end of the pipe closes.
+
+CUDA (``threads``): one thread per model, each issuing its work on its own CUDA stream; the draft
+goes to a second GPU when there is one (moved back on close).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import traceback
+import weakref
+from pathlib import Path
+
+import torch
+
+from specstop.decode.pearl_server import ModelServer
+
+__all__ = ["PearlWorkers", "WorkerError"]
+
+START_TIMEOUT_S = 600.0  # loading a model file and importing torch/transformers in a fresh process
+_POLL_S = 0.5
+
+
+class WorkerError(RuntimeError):
+    """A PEARL worker failed (its exception, named) or died; both workers have been shut down."""
+
+
+# ---------------------------------------------------------------------------------- child process
+def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_size: int, eos: list[int]) -> None:
+    """Entry point of a worker process: pin, load, then serve requests until told to close."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
+    rows: torch.Tensor | None = None
+    try:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        model = torch.load(model_path, mmap=True, weights_only=False)
+        model.eval()
+        if use_mv:
+            from specstop.pair.fast_paths import route_single_rows
+
+            route_single_rows(model, use_mv=True)
+        server = ModelServer(model, vocab_size, set(eos))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+        return
+    conn.send(("ready", {"pid": os.getpid(), "cores": cores, "threads": torch.get_num_threads()}))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        op, args = msg[0], msg[1:]
+        if op == "close":
+            return
+        try:
+            if op == "map_rows":
+                path, n_rows, width = args
+                rows = torch.from_file(path, shared=True, size=n_rows * width, dtype=torch.float32).view(n_rows, width)
+                conn.send(("ok", None))
+                continue
+            out = getattr(server, op)(*args)
+            if isinstance(out, tuple) and len(out) == 3 and (out[1] is None or isinstance(out[1], torch.Tensor)):
+                ids, probs, seconds = out
+                k = 0
+                if probs is not None:
+                    if rows is None or probs.shape[0] > rows.shape[0] or probs.shape[1] != rows.shape[1]:
+                        raise RuntimeError(f"no shared row buffer for {tuple(probs.shape)} rows")
+                    k = probs.shape[0]
+                    rows[:k].copy_(probs)
+                out = (ids, k, seconds)
+            conn.send(("ok", out))
+        except BaseException as err:  # noqa: BLE001 - reported, then the worker exits
+            conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+            return
+
+
+# ---------------------------------------------------------------------------------- parent side
+class _ProcessWorker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, name: str, ctx, model_path: Path, use_mv: bool, cores: list[int], vocab_size: int,
+                 eos: set[int]) -> None:
+        self.name = name
+        self.cores = cores
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_child_main, args=(child, str(model_path), use_mv, cores, vocab_size, sorted(eos)),
+            name=f"specstop-pearl-{name}", daemon=True,
+        )
+        self.proc.start()
+        child.close()  # our copy: the child's end must close when the child exits (EOF detection)
+        self.rows: torch.Tensor | None = None
+        self.info: dict = {}
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        self.info = self._recv(timeout)
+
+    def submit(self, op: str, *args) -> None:
+        try:
+            self.conn.send((op, *args))
+        except (BrokenPipeError, OSError) as err:
+            raise WorkerError(f"{self.name} worker is gone ({self._exit_text()})") from err
+
+    def result(self):
+        out = self._recv(None)
+        if isinstance(out, tuple) and len(out) == 3 and isinstance(out[1], int):
+            ids, k, seconds = out
+            return ids, (self.rows[:k].clone() if k else None), seconds
+        return out
+
+    def map_rows(self, path: Path, rows: torch.Tensor) -> None:
+        self.submit("map_rows", str(path), rows.shape[0], rows.shape[1])
+        self._recv(None)
+        self.rows = rows
+
+    def _recv(self, timeout: float | None):
+        waited = 0.0
+        while not self.conn.poll(_POLL_S):
+            waited += _POLL_S
+            if not self.proc.is_alive():
+                raise WorkerError(f"{self.name} worker died ({self._exit_text()})")
+            if timeout is not None and waited >= timeout:
+                raise WorkerError(f"{self.name} worker did not answer within {timeout:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as err:
+            raise WorkerError(f"{self.name} worker died ({self._exit_text()})") from err
+        if msg[0] == "error":
+            raise WorkerError(f"{self.name} worker failed: {msg[1]}\n{msg[2]}")
+        return msg[1]
+
+    def _exit_text(self) -> str:
+        self.proc.join(0.1)
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(5.0)  # a forward in flight finishes first
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class _ThreadWorker:
+    """One model served from a thread (CUDA: on its own stream)."""
+
+    def __init__(self, name: str, model, vocab_size: int, eos: set[int]) -> None:
+        self.name = name
+        self.server = ModelServer(model, vocab_size, eos)
+        dev = self.server.device
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=f"specstop-pearl-{name}", daemon=True)
+        self.thread.start()
+        self.info = {"thread": self.thread.name, "device": str(dev)}
+
+    def _loop(self) -> None:
+        while True:
+            msg = self.inbox.get()
+            if msg is None:
+                return
+            op, args = msg
+            try:
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        out = getattr(self.server, op)(*args)
+                else:
+                    out = getattr(self.server, op)(*args)
+                self.outbox.put(("ok", out))
+            except BaseException as err:  # noqa: BLE001 - handed to the coordinator
+                self.outbox.put(("error", err))
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        return None
+
+    def submit(self, op: str, *args) -> None:
+        if not self.thread.is_alive():
+            raise WorkerError(f"{self.name} worker thread is gone")
+        self.inbox.put((op, args))
+
+    def result(self):
+        while True:
+            try:
+                status, out = self.outbox.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise WorkerError(f"{self.name} worker thread is gone") from None
+        if status == "error":
+            raise WorkerError(f"{self.name} worker failed: {type(out).__name__}: {out}") from out
+        if isinstance(out, tuple) and len(out) == 3 and isinstance(out[1], torch.Tensor):
+            return out[0], out[1].float().cpu(), out[2]
+        return out
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.thread.join()
+
+
+# ---------------------------------------------------------------------------------- the pair
+def _session_dir() -> Path:
+    """A private folder for model files and row buffers (tmpfs where there is one)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=f"specstop-pearl-{os.getpid()}-", dir=base))
+
+
+def _save_portable(model, path: Path) -> bool:
+    """``torch.save`` the whole module; returns whether one-row ``torch.mv`` routing was on.
+
+    The routing binds methods to instances, which pickle cannot restore: it is switched off for the
+    save, back on right after, and re-applied by the worker.
+    """
+    from specstop.pair.fast_paths import _MV_FLAG, route_single_rows
+
+    use_mv = any(getattr(m, _MV_FLAG, False) for m in model.modules())
+    if use_mv:
+        route_single_rows(model, use_mv=False)
+    try:
+        torch.save(model, path)
+    finally:
+        if use_mv:
+            route_single_rows(model, use_mv=True)
+    return use_mv
+
+
+def _shutdown(workers: list, folder: list[Path | None]) -> None:
+    """Close every worker and remove the session folder (idempotent; also runs at exit)."""
+    while workers:
+        w = workers.pop()
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001 - keep closing the others
+            pass
+    if folder[0] is not None:
+        shutil.rmtree(folder[0], ignore_errors=True)
+        folder[0] = None
+
+
+class PearlWorkers:
+    """The draft and target workers of a PEARL decoder (a context manager).
+
+    Args:
+        pair: the :class:`~specstop.pair.ModelPair`.
+        cores: ``(draft cores, target cores)`` for the ``processes`` backend
+            (:func:`~specstop.decode.pearl_spec.split_cores`).
+        backend: ``processes`` (CPU: pinned processes), ``threads`` (CUDA streams; on CPU the two
+            threads share one intra-op pool) or ``auto`` (threads on CUDA, processes on CPU).
+    """
+
+    def __init__(self, pair, cores: tuple[list[int], list[int]] | None = None, backend: str = "auto") -> None:
+        from specstop.export.decoder import eos_token_ids
+
+        if backend not in ("auto", "processes", "threads"):
+            raise ValueError(f"backend must be auto, processes or threads, got {backend!r}")
+        on_cuda = pair.target_device.type == "cuda" or pair.draft_device.type == "cuda"
+        self.backend = ("threads" if on_cuda else "processes") if backend == "auto" else backend
+        self.pair = pair
+        self.cores = cores
+        self.vocab_size = pair.vocab_size
+        self.eos = eos_token_ids(pair)
+        self.draft = self.target = None
+        self._workers: list = []
+        self._folder: list[Path | None] = [None]
+        self._moved_draft: torch.device | None = None
+        self._rows = 0
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._folder)
+
+    @property
+    def started(self) -> bool:
+        return self.draft is not None
+
+    def start(self) -> PearlWorkers:
+        """Start both workers (both processes load at the same time); idempotent."""
+        if self.started:
+            return self
+        try:
+            if self.backend == "processes":
+                self._start_processes()
+            else:
+                self._start_threads()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_processes(self) -> None:
+        if self.cores is None:
+            from specstop.decode.pearl_spec import split_cores
+
+            self.cores = split_cores(None)
+        ctx = torch.multiprocessing.get_context("spawn")
+        folder = self._folder[0] = _session_dir()
+        started = []
+        for name, model, cores in (("draft", self.pair.draft, self.cores[0]), ("target", self.pair.target, self.cores[1])):
+            path = folder / f"{name}.pt"
+            use_mv = _save_portable(model, path)
+            w = _ProcessWorker(name, ctx, path, use_mv, list(cores), self.vocab_size, self.eos)
+            self._workers.append(w)
+            started.append(w)
+        for w in started:
+            w.wait_ready()
+        self._forget_folder()  # the workers hold their weights mapped: the files can go
+        self.draft, self.target = started
+
+    def _start_threads(self) -> None:
+        draft_model = self.pair.draft
+        dev = self.pair.draft_device
+        if dev.type == "cuda" and torch.cuda.device_count() > 1 and dev == self.pair.target_device:
+            other = torch.device("cuda", (dev.index or 0) + 1 if (dev.index or 0) + 1 < torch.cuda.device_count() else 0)
+            draft_model.to(other)  # draft and target on separate GPUs; moved back in close()
+            self._moved_draft = dev
+        self.draft = _ThreadWorker("draft", draft_model, self.vocab_size, self.eos)
+        self._workers.append(self.draft)
+        self.target = _ThreadWorker("target", self.pair.target, self.vocab_size, self.eos)
+        self._workers.append(self.target)
+
+    def ensure_rows(self, n_rows: int) -> None:
+        """Give both workers shared buffers for ``n_rows`` probability rows (sampling)."""
+        if self.backend != "processes" or n_rows <= self._rows:
+            return
+        folder = self._folder[0] = self._folder[0] or _session_dir()
+        try:
+            for w in (self.draft, self.target):
+                path = folder / f"{w.name}.rows"
+                buf = torch.from_file(str(path), shared=True, size=n_rows * self.vocab_size, dtype=torch.float32)
+                w.map_rows(path, buf.view(n_rows, self.vocab_size))
+        finally:
+            self._forget_folder()
+        self._rows = n_rows
+
+    def _forget_folder(self) -> None:
+        if self._folder[0] is not None:
+            shutil.rmtree(self._folder[0], ignore_errors=True)
+            self._folder[0] = None
+
+    def describe(self) -> dict:
+        """Where each model runs (pids and cores, or threads and devices)."""
+        out = {"backend": self.backend}
+        for w in (self.draft, self.target):
+            if w is not None:
+                out[w.name] = dict(w.info)
+        return out
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if isinstance(w, _ProcessWorker)]
+
+    def close(self) -> None:
+        """End both workers and remove every file this pool wrote (safe to call twice)."""
+        _shutdown(self._workers, self._folder)
+        self.draft = self.target = None
+        self._rows = 0
+        if self._moved_draft is not None:
+            self.pair.draft.to(self._moved_draft)
+            self._moved_draft = None
+
+    def __enter__(self) -> PearlWorkers:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
