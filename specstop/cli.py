@@ -110,13 +110,37 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as err:
         # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
-        # our constructors) is the user's to fix; anything else is a bug and keeps its traceback.
+        # our constructors) is the user's to fix; anything else is a bug and keeps its traceback. A
+        # full disk or a read-only output met while writing is the machine's state, not a bug.
         user = find_user_error(err)
-        if user is None or _debug(verbose):
+        message = one_line(user) if user is not None else _write_failure(err)
+        if message is None or _debug(verbose):
             raise
-        print(f"specstop {name}: error: {one_line(user)}", file=sys.stderr)
-        print("(set SPECSTOP_DEBUG=1 for a traceback)", file=sys.stderr)
+        print(f"specstop {name}: error: {cap(message)} (SPECSTOP_DEBUG=1 shows a traceback)", file=sys.stderr)
         return 2
+
+
+MAX_MESSAGE = 2000  # an echoed value (a YAML alias bomb's expansion) must not flood the terminal
+
+
+def cap(text: str, limit: int = MAX_MESSAGE) -> str:
+    """``text`` cut to ``limit`` characters (the cut is marked)."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+
+
+def _write_failure(err: BaseException) -> str | None:
+    """The one-line message of a write that failed for lack of space or permission, else None."""
+    from specstop.outputs import write_error_message
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            msg = write_error_message(err)
+            if msg is not None:
+                return msg
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

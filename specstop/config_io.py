@@ -18,6 +18,22 @@ from typing import Any
 from specstop.errors import MissingInputError, UserError
 
 
+def not_a_file(path: str | Path, what: str, fix: str) -> MissingInputError:
+    """The error for a named input that is not a regular file, saying what it is instead
+    (a folder or a named pipe is not "missing")."""
+    import stat
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return MissingInputError(f"{what} {p} does not exist; {fix}")
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file")
+    return MissingInputError(f"{what} {p} is {kind}, not a file; {fix}")
+
+
 def read_yaml(path: str | Path, what: str = "config") -> Any:
     """Parse a YAML file.
 
@@ -29,13 +45,18 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
 
     p = Path(path)
     if not p.is_file():
-        raise MissingInputError(f"{what} file {p} not found")
+        raise not_a_file(p, f"{what} file", "give the path of a YAML file")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{p}: not a UTF-8 text file ({err.reason} at byte {err.start}); give a YAML file") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml_text(text, p)
+    except DuplicateKeyError as err:
+        raise UserError(
+            f"{p}:{err.line}: duplicate {'section' if err.is_section else 'key'} {err.key!r} (first at line "
+            f"{err.first_line}); YAML keeps only the last one, silently dropping the first: merge them into one"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
@@ -43,6 +64,63 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         context = getattr(err, "context", None)
         detail = f"{problem} ({context})" if context else problem
         raise UserError(f"{where}: malformed YAML: {detail}; fix the file at that line") from None
+
+
+class DuplicateKeyError(ValueError):
+    """A mapping in a YAML file names the same key twice (PyYAML would keep the last silently)."""
+
+    def __init__(self, key: Any, line: int, first_line: int, is_section: bool) -> None:
+        super().__init__(f"duplicate key {key!r} at line {line} (first at line {first_line})")
+        self.key, self.line, self.first_line, self.is_section = key, line, first_line, is_section
+
+
+def _unique_key_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """SafeLoader that refuses duplicate keys in any mapping (with both lines)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges are not duplicates
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    hash(key)
+                except TypeError:
+                    continue  # SafeLoader reports unhashable keys itself
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise DuplicateKeyError(key, line, seen[key], isinstance(value_node, yaml.MappingNode))
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def load_yaml_text(text: str, source: str | Path = "<string>") -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (:class:`DuplicateKeyError`).
+
+    Every user YAML (data, pipeline and train configs, tuned files) goes through it: a repeated
+    ``generation:`` section would otherwise silently drop the first section's settings.
+    """
+    import yaml
+
+    return yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+def check_yaml_file(path: str | Path, what: str = "config") -> None:
+    """Parse ``path`` only to refuse malformed YAML and duplicate keys with file:line (for files
+    another library reads afterwards, e.g. LightningCLI's ``--config``)."""
+    read_yaml(path, what)
+
+
+def short(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an echoed value (a YAML alias bomb expands to
+    megabytes) must not flood the one error line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def read_json(path: str | Path, what: str) -> Any:
@@ -56,7 +134,7 @@ def read_json(path: str | Path, what: str) -> Any:
 
     p = Path(path)
     if not p.is_file():
-        raise MissingInputError(f"{what} {p} does not exist")
+        raise not_a_file(p, what, "give the path of a JSON file")
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -111,7 +189,7 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
     ok, converted = _matches(value, hint)
     if not ok:
         raise UserError(
-            f"config key {key!r} must be {describe_type(hint)}, got {value!r} ({_kind(value)})"
+            f"config key {key!r} must be {describe_type(hint)}, got {short(value)} ({_kind(value)})"
         )
     return converted
 
@@ -185,7 +263,7 @@ def dataclass_from_dict(cls: type, data: Any, where: str = "", source: str | Non
     if not isinstance(data, dict):
         raise UserError(
             f"{prefix}config section {where.rstrip('.') or 'top level'} must be a mapping of keys to values, "
-            f"got {data!r} ({_kind(data)})"
+            f"got {short(data)} ({_kind(data)})"
         )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -224,7 +302,7 @@ def check_range(
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{key} must be a number, got {value!r} ({_kind(value)})")
+        raise UserError(f"{key} must be a number, got {short(value)} ({_kind(value)})")
     bad = not math.isfinite(value)
     if low is not None:
         bad = bad or (value <= low if low_open else value < low)
@@ -235,3 +313,33 @@ def check_range(
         hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
         need = " and ".join(p for p in (lo, hi) if p) or "finite"
         raise UserError(f"{key} must be {need} (and finite), got {value!r}{'; ' + fix if fix else ''}")
+
+
+def resolve_recorded_path(value: str | None, recorded_in: str | Path) -> str | None:
+    """A path recorded in a file (tuned.json's ``checkpoints``/``dataset``), as the reader must open it.
+
+    Absolute paths stay. A relative path is relative to the file that records it (so a tuned file
+    works from any directory); files written by older versions recorded paths relative to the
+    directory they ran in, which is used only when nothing exists beside the file.
+    """
+    if not value:
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    beside = Path(recorded_in).resolve().parent / p
+    if beside.exists() or not p.exists():
+        return str(beside)
+    return str(p.resolve())
+
+
+def resolve_tuned_paths(tuned: dict, path: str | Path) -> dict:
+    """``tuned`` with its ``dataset`` and ``checkpoints`` paths resolved against the tuned file ``path``."""
+    out = dict(tuned)
+    if isinstance(out.get("dataset"), str):
+        out["dataset"] = resolve_recorded_path(out["dataset"], path)
+    if isinstance(out.get("checkpoints"), dict):
+        out["checkpoints"] = {
+            n: resolve_recorded_path(c, path) if isinstance(c, str) else c for n, c in out["checkpoints"].items()
+        }
+    return out

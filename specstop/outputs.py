@@ -12,16 +12,22 @@ A command that writes into a folder (``generate --data``, ``pipeline`` run folde
   ``worker-<i>-of-<n>``; a single-process run (or ``--merge``) holds the whole folder, so it
   conflicts with any live worker and vice versa;
 * if the command fails and the folder it created holds nothing but the lock, the folder is removed.
+
+Every writing command also calls :func:`check_writable` on its outputs before the long work starts
+(a read-only location, missing permission or a full disk is one line, not a traceback an hour
+later), and writes single files with :func:`atomic_write_text` (never half a file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,6 +182,7 @@ def claim_output_dir(folder: str | Path, *, role: str = EXCLUSIVE, command: str 
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"output folder {folder} is a file; give a folder path")
+    check_writable(folder, "output folder")
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     lock = FolderLock(folder, role, command)
@@ -194,3 +201,100 @@ def claim_output_dir(folder: str | Path, *, role: str = EXCLUSIVE, command: str 
         raise
     else:
         lock.release()
+
+
+# ---------------------------------------------------------------------------- can this run write?
+# errno values that mean "this location cannot take our output" (as opposed to a bug).
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+PROBE_BYTES = 4096  # a probe that writes data, so a full disk fails the check, not hours later
+
+
+def write_error_message(err: OSError, doing: str = "writing") -> str | None:
+    """One line for an OSError that means the output location cannot be written, else None (a bug).
+
+    Args:
+        err: the error (``errno`` and ``filename`` are read).
+        doing: what was being done (``writing``, ``creating``).
+    """
+    if err.errno not in WRITE_ERRNOS:
+        return None
+    where = f" {err.filename}" if err.filename else ""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return (f"no space left on the device (or over quota) while {doing}{where}; free space or choose an output "
+                "location on another disk, then rerun the same command (finished work is kept)")
+    reason = "a read-only file system" if err.errno == errno.EROFS else "permission denied"
+    return (f"cannot write{where}: {reason}; choose a writable output location (or fix its permissions), "
+            "then rerun the same command")
+
+
+class OutputNotWritableError(UserError):
+    """An output location cannot be created or written (read-only, no permission, full disk)."""
+
+
+def _probe(folder: Path) -> None:
+    """Create, fill and remove a small file in ``folder`` (raises the OSError a real write would)."""
+    fd, tmp = tempfile.mkstemp(prefix=".specstop-probe-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def check_writable(path: str | Path, flag: str, *, kind: str = "folder") -> Path:
+    """Refuse, before any long work, an output that cannot be written.
+
+    Nothing is created: the nearest existing folder on the way to ``path`` must be a folder and
+    take a small probe file (which is removed again), so a read-only location, missing permission
+    or a full disk is one line now instead of a traceback after the work.
+
+    Args:
+        path: the output folder (``kind="folder"``) or file (``kind="file"``).
+        flag: how the user named it (``--out``, ``--data``, ``SPECSTOP_CACHE``), for the message.
+        kind: ``folder`` or ``file``.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        OutputNotWritableError: naming the location and the problem.
+    """
+    p = Path(path).expanduser()
+    if kind == "folder" and p.exists() and not p.is_dir():
+        raise OutputNotWritableError(f"{flag} {p} is a file, not a folder; give a folder path")
+    if kind == "file" and p.is_dir():
+        raise OutputNotWritableError(f"{flag} {p} is a folder; give a file path (e.g. {p / 'out.json'})")
+    probe_dir = p if kind == "folder" else p.parent
+    existing = probe_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputNotWritableError(
+            f"{flag} {p}: {existing} is a file, so no folder can be created there; choose another location"
+        )
+    try:
+        _probe(existing)
+    except OSError as err:
+        msg = write_error_message(err, "checking that it can be written") if err.errno in WRITE_ERRNOS else None
+        detail = msg or f"{err.strerror or err}"
+        raise OutputNotWritableError(f"{flag} {p}: {detail}") from None
+    return p
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a failed write (a
+    full disk) leaves the old file or nothing, never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -57,7 +57,7 @@ def reference(pair, tmp_path_factory):
 def test_manifest_and_tables(reference, pair):
     man = storage.read_manifest(reference)
     assert set(man) == {"schema_version", "specstop_version", "created", "pair", "prompts", "generation", "labels",
-                        "splits", "bytes_per_token", "shards"}
+                        "splits", "bytes_per_token", "shards", "shard_digests"}
     assert man["shards"] == ["train-00000", "train-00001", "validation-00000", "test-00000"]
     assert man["pair"] == json.loads(json.dumps(pair.to_dict()))
     assert set(man["prompts"]) == {"source", "field", "template", "chat_template", "seed", "split_sizes", "counts"}

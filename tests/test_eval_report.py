@@ -39,8 +39,6 @@ def test_tune_and_eval_cli(tmp_path):
             f"disco={tmp_path / 'disco.ckpt'}",
             "--checkpoint",
             f"sdpp={tmp_path / 'sdpp.ckpt'}",
-            "--checkpoint",
-            f"gone={tmp_path / 'missing.ckpt'}",
             "--out",
             str(tuned),
             "--sl-max-grid",
@@ -48,10 +46,14 @@ def test_tune_and_eval_cli(tmp_path):
         ]
     )
     assert rc == 0
+    # A predictor named explicitly must load: a missing one fails the command (never "skipped").
+    assert main(["tune", "--data", str(data), "--cost-model", "llama2-7b-70b", "--checkpoint",
+                 f"gone={tmp_path / 'missing.ckpt'}", "--out", str(tmp_path / "t2.json"), "--sl-max-grid", "4,8"]) == 2
+    assert not (tmp_path / "t2.json").exists()
     t = json.loads(tuned.read_text())
     assert t["schema_version"] == 1 and t["best"] in t["policies"]
     assert {"static_opt", "heuristic_opt", "confidence_opt", "disco", "sdpp"} <= set(t["policies"])
-    assert "gone" in t["skipped"] and set(t["checkpoints"]) == {"disco", "sdpp"}
+    assert set(t["checkpoints"]) == {"disco", "sdpp"}
     assert len(t["policies"]["sdpp"]["validation"]["paper_grid"]) == 5
     PolicySpec.from_dict(t["policies"]["disco"]["spec"])
     out = tmp_path / "report"
@@ -73,7 +75,7 @@ def test_tune_and_eval_cli(tmp_path):
         assert np.isfinite(rep["rows"][key]["latency_per_token"])
     assert rep["rows"]["oracle"]["gap_closed"] == pytest.approx(1.0)
     assert rep["rows"]["static_opt"]["improvement_over_static_opt"] == 0.0
-    assert "gone" in rep["skipped"] and "MCSD top-k" in rep["skipped"]
+    assert "MCSD top-k" in rep["skipped"]
     for f in ("pareto.png", "oracle_sl_hist.png", "calibration.png", "report.md"):
         assert (out / f).stat().st_size > 0
     assert "Oracle" in (out / "report.md").read_text()

@@ -83,7 +83,7 @@ def test_hub_id_offline_is_fast_and_named(capsys, monkeypatch):
     rc = main(_info("--draft", "Qwen/Qwen2.5-0.5B", "--target", "Qwen/Qwen2.5-1.5B"))
     assert time.perf_counter() - t0 < 10
     err = capsys.readouterr().err
-    assert err.count("\n") == 2 and "Retrying" not in err  # one line (+ hint), no retries, nothing twice
+    assert err.count("\n") == 1 and "Retrying" not in err  # one line (hint on it), no retries, nothing twice
     assert rc == 2 and "draft model 'Qwen/Qwen2.5-0.5B'" in err and "HF_HUB_OFFLINE=1 is set" in err
 
 
@@ -208,8 +208,11 @@ def _edit_config(key_path, value):
          "not a readable safetensors file"),
         (lambda d: (d / "config.json").write_text('{"format": "specstop-stopping-policy",\n "schema_version": 1,,}'),
          "config.json:2: not valid JSON"),
+        (_edit_config(("surprise",), 1), "unknown config key 'surprise'"),
+        (_edit_config(("predictor", "activation"), "gelu"), "unknown config key 'predictor.activation'"),
     ],
-    ids=["weights-dotdot", "weights-absolute", "shape", "config-key", "threshold", "truncated", "malformed"],
+    ids=["weights-dotdot", "weights-absolute", "shape", "config-key", "threshold", "truncated", "malformed",
+         "unknown-top-level", "unknown-predictor-key"],
 )
 def test_edited_exports_are_refused(exports, tmp_path, edit, fragment):
     d = _edited(exports, tmp_path, edit)
@@ -231,10 +234,17 @@ def test_export_out_is_not_overwritten_silently(pair, tmp_path, capsys, monkeypa
     out = tmp_path / "export"
     out.mkdir()
     (out / "mine.txt").write_text("not an export")
+    # A folder specstop did not write is never replaced, not even with --overwrite.
+    for extra in ([], ["--overwrite"]):
+        one_line_error(capsys, main(["export", "--tuned", str(tuned), "--out", str(out), *extra]),
+                       "not a specstop export", "only replaces an earlier export")
+        assert (out / "mine.txt").read_text() == "not an export"
+    (out / "mine.txt").unlink()
+    assert main(["export", "--tuned", str(tuned), "--out", str(out)]) == 0
+    # An earlier export is replaced only with --overwrite.
     one_line_error(capsys, main(["export", "--tuned", str(tuned), "--out", str(out)]), "already exists", "--overwrite")
-    assert (out / "mine.txt").read_text() == "not an export"
     assert main(["export", "--tuned", str(tuned), "--out", str(out), "--overwrite"]) == 0
-    assert not (out / "mine.txt").exists() and (out / "config.json").is_file()
+    assert (out / "config.json").is_file()
     # A failing export leaves the previous one untouched.
     from specstop.export import export as export_mod
 

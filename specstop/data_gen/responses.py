@@ -66,13 +66,9 @@ def default_render(tokenizer, chat_template: bool, system_prompt: str | None) ->
 
 def context_limit(pair) -> int | None:
     """The smaller of the two models' ``max_position_embeddings`` (None when unknown)."""
-    limits = []
-    for m in (pair.draft, pair.target):
-        cfg = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
-        n = getattr(cfg, "max_position_embeddings", None)
-        if n:
-            limits.append(int(n))
-    return min(limits) if limits else None
+    from specstop.pair.context import context_window
+
+    return context_window(pair)
 
 
 def max_prompt_tokens(pair, gen: GenerationConfig) -> int | None:

@@ -21,6 +21,7 @@ from specstop.data_gen import storage
 from specstop.data_gen.card import write_dataset_card
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.labels import LABELS_VERSION, label_semantics
+from specstop.data_gen.ownership import check_no_foreign_files
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
 from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
@@ -166,6 +167,7 @@ def generate_dataset(
     if empty:
         raise UserError(f"prompt {empty[0]!r} is empty ({len(empty)} empty in all); remove it or fix the template/field")
     plan = plan_shards(records, cfg.prompts_per_shard)
+    check_no_foreign_files(out_dir)  # nothing of the user's is cleaned or overwritten
     role = "all" if num_shards == 1 else f"worker-{shard_index}-of-{num_shards}"
     with claim_output_dir(out_dir, role=role, command=f"specstop generate --data {out_dir}") as out:
         return _generate_locked(
@@ -356,6 +358,9 @@ def write_manifest(
         "bytes_per_token": bpt,
         # Every shard a reader must find (intact): a missing or damaged one is an error, not a skip.
         "shards": [p.name for p in plan],
+        # ... and each shard's content digest: a shard folder copied in from another dataset is caught.
+        "shard_digests": {p.name: storage.shard_digest(read_shard_record(storage.shards_root(out) / p.name))
+                          for p in plan},
     }
     path = out / storage.MANIFEST
     atomic_write_json(path, manifest)

@@ -225,12 +225,15 @@ def _tmp_owner(name: str) -> str:
 
 
 def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None) -> list[str]:
-    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification.
+    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification
+    (only folders specstop wrote: see :mod:`specstop.data_gen.ownership`).
 
     Args:
         out_dir: dataset folder.
         names: only touch these shards (a worker cleans its own; others may be writing theirs).
     """
+    from specstop.data_gen.ownership import is_own_shard, is_tmp_shard
+
     removed = []
     root = shards_root(out_dir)
     if not root.is_dir():
@@ -240,10 +243,24 @@ def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None
         owner = _tmp_owner(p.name) if p.name.startswith(".tmp-") else p.name
         if mine is not None and owner not in mine:
             continue
-        if p.name.startswith(".tmp-") or (p.is_dir() and not verify_shard(p)):
+        # Only folders specstop wrote: a folder of the user's under a shard's name is never deleted.
+        if is_tmp_shard(p) or (is_own_shard(p) and not verify_shard(p)):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return removed
+
+
+def shard_digest(record: Mapping[str, Any] | None) -> str | None:
+    """One sha256 over a shard's recorded files (name, size, sha256) and prompt ids.
+
+    The manifest keeps it per shard, which binds each shard to its dataset: a shard folder copied
+    in from another dataset (another split seed, another prompt set) has another digest.
+    """
+    if not record:
+        return None
+    meta = record.get("meta") or {}
+    body = {"files": record.get("files") or {}, "prompt_ids": meta.get("prompt_ids"), "split": meta.get("split")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 class DamagedDatasetError(UserError):

@@ -15,6 +15,7 @@ from specstop.data_gen.storage import (
     expected_shards,
     read_manifest,
     read_shard_record,
+    shard_digest,
     shard_problem,
     shards_root,
 )
@@ -41,6 +42,13 @@ def dataset_problems(out_dir: str | Path) -> tuple[list[str], int]:
             continue
         rec = read_shard_record(path) or {}
         meta = rec.get("meta") or {}
+        want = (man.get("shard_digests") or {}).get(name)
+        if want is not None and shard_digest(rec) != want:
+            problems.append(
+                f"shard {name}: it is not the shard this dataset's manifest recorded (other files or prompts): a "
+                "shard folder copied in from another dataset?"
+            )
+            continue
         diff = pair_difference(man.get("pair"), meta.get("pair"), dtype=True, name=True)
         if diff is not None:
             problems.append(f"shard {name}: made by another pair or dtype than the manifest names ({diff})")

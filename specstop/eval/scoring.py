@@ -155,10 +155,17 @@ def family_rule(family: str, feature_kind: str) -> tuple[str, str]:
 
 
 def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict) -> tuple[dict, dict]:
-    """Score ``data`` with every ``{name: checkpoint path}``; a failing one is skipped with its reason.
+    """Score ``data`` with every ``{name: checkpoint path}``.
+
+    A predictor the user named (``--checkpoint``, or a tuned file's ``checkpoints``) must load and
+    score: a missing path, an export folder, a tuned.json or a bare ``.safetensors`` file is an
+    error naming it, never a "skipped" line in a log that leaves it out of the results.
 
     Returns:
-        (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {name: reason}).
+        (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {} - kept for callers).
+
+    Raises:
+        UserError: a checkpoint cannot be loaded or scored on this data.
     """
     from specstop.data_gen.storage import read_manifest
 
@@ -168,8 +175,7 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
         try:
             predictor, meta = load_checkpoint(path)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
-            skipped[name] = f"{type(err).__name__}: {err}"
-            continue
+            raise _unusable(name, path, err) from None
         # Scores of a predictor on another pair's features would be meaningless, not just worse.
         check_same_pair(
             (meta.get("dataset") or {}).get("pair") if isinstance(meta.get("dataset"), dict) else None, data_pair,
@@ -179,8 +185,7 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
         try:
             score_split(data, data_dir, split, name, predictor)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
-            skipped[name] = f"{type(err).__name__}: {err}"
-            continue
+            raise _unusable(name, path, err) from None
         family = meta.get("family") or predictor.family
         rule, reads = family_rule(family, predictor.feature_spec.kind)
         info[name] = {
@@ -191,6 +196,13 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
             "label": meta.get("label"),
         }
     return info, skipped
+
+
+def _unusable(name: str, path, err: BaseException) -> UserError:
+    return UserError(
+        f"checkpoint {name}={path} cannot be used: {err} (a predictor named explicitly must load; give the .ckpt "
+        "that `specstop train` printed, or drop it)"
+    )
 
 
 def parse_checkpoint_args(items) -> dict:

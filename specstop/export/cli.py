@@ -77,13 +77,18 @@ def _write_engines(args: argparse.Namespace, engines: list[str], hf_policy: str 
 
 
 def run(args: argparse.Namespace) -> int:
-    from specstop.export.export import export_from_files
+    from pathlib import Path
+
+    from specstop.export.export import check_export_target, export_from_files
+    from specstop.outputs import check_writable
 
     checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
     engines = args.engines or []
     if engines and "hf" not in engines:
+        check_writable(args.out, "--out")
         _write_engines(args, engines, None)  # settings files only: no predictor package
         return 0
+    check_export_target(Path(args.out), args.overwrite)  # before any loading: refuse a foreign or unwritable --out now
     policy = _learned_policy(args.tuned, args.policy) if "hf" in engines else args.policy
     # The package first: it is written elsewhere and renamed into place (replacing --out), so the
     # engine files are added to the finished folder afterwards.

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from specstop.errors import UserError
+from specstop.outputs import atomic_write_text
 
 ENGINES = ("hf", "vllm", "llamacpp", "sglang")
 #: Which tuned policies each engine can express (in tuned.json names).
@@ -232,7 +233,7 @@ def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list
         settings = engine_settings(tuned, engine, manifest=manifest, draft=draft, target=target, tuned_path=str(tuned_path),
                                    hf_export=(hf_policy, str(out.resolve())) if hf_policy else None)
         path = out / f"{engine}.json"
-        path.write_text(json.dumps(settings, indent=2) + "\n")
+        atomic_write_text(path, json.dumps(settings, indent=2) + "\n")
         paths[engine] = path
     return paths
 

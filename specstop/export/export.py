@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from specstop import __version__
-from specstop.config_io import read_json
+from specstop.config_io import read_json, resolve_tuned_paths
 from specstop.errors import MissingInputError, UserError
 from specstop.export.hub import MODEL_TYPE, front_matter, write_custom_generate
 from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
@@ -98,7 +98,7 @@ def read_tuned(path: str | Path) -> dict:
             f"{path}: not a tuned-policy file of schema version 1 (found schema_version="
             f"{tuned.get('schema_version')!r}); rerun `specstop tune` with this specstop version"
         )
-    return tuned
+    return resolve_tuned_paths(tuned, path)
 
 
 def _read_manifest(dataset: str | Path | None) -> dict | None:
@@ -220,11 +220,7 @@ def export_policy(
         label=label, source=source,
     )
     final = Path(out)
-    if final.exists() and (not final.is_dir() or any(final.iterdir())) and not overwrite:
-        raise ExportError(
-            f"{final} already exists and is not empty; pass --overwrite to replace it (the old export is kept "
-            "until the new one has passed its check), or choose another --out"
-        )
+    check_export_target(final, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -236,6 +232,48 @@ def export_policy(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return config
+
+
+def is_export_folder(folder: Path) -> bool:
+    """Did ``specstop export`` write ``folder``? Its ``config.json`` names our format, and it holds
+    nothing but the files an export writes (a folder with the user's own files is never replaced)."""
+    config = folder / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        doc = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        return False
+    ours = {CONFIG_NAME, WEIGHTS_NAME, "README.md", "custom_generate", ".gitattributes"}
+    ours |= {f"{engine}.json" for engine in ("hf", "vllm", "llamacpp", "sglang")}
+    return all(p.name in ours for p in folder.iterdir())
+
+
+def check_export_target(final: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` that holds something else than an earlier export (before any work).
+
+    Raises:
+        ExportError: ``final`` is a file, a non-empty folder without ``overwrite``, or a folder
+            specstop did not write (even with ``overwrite``: it would delete the user's files).
+    """
+    from specstop.outputs import check_writable
+
+    if final.exists() and not final.is_dir():
+        raise ExportError(f"--out {final} is a file; give a folder path for the export")
+    if final.is_dir() and any(final.iterdir()):
+        if not is_export_folder(final):
+            raise ExportError(
+                f"--out {final} holds files that are not a specstop export (no export config.json, or other "
+                "files beside it); --overwrite only replaces an earlier export. Choose another --out (or an empty folder)"
+            )
+        if not overwrite:
+            raise ExportError(
+                f"{final} already exists and is not empty; pass --overwrite to replace it (the old export is kept "
+                "until the new one has passed its check), or choose another --out"
+            )
+    check_writable(final.parent if final.exists() else final, "--out")
 
 
 def _replace_folder(new: Path, final: Path) -> None:

@@ -102,8 +102,16 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
     wa, wb = want_draft.get("weights_sha256"), exp_draft.get("weights_sha256")
     comparable = isinstance(wa, str) and isinstance(wb, str) and wa.split(":", 1)[0] == wb.split(":", 1)[0]
     if comparable and wa != wb:
+        # Another shape is the plainer (and truer) reason: say it rather than "same size".
+        for key in ("architecture", "hidden_size", "num_hidden_layers", "num_parameters"):
+            a, b = want_draft.get(key), exp_draft.get(key)
+            if a is not None and b is not None and a != b:
+                return False, f"draft {key} {a!r} (yours) vs {b!r} (export)"
+        na, nb = want_draft.get("name_or_path"), exp_draft.get("name_or_path")
+        same_name = na is not None and nb is not None and _same_name(str(na), str(nb))
         return False, (
-            f"draft weights fingerprint {wa[:24]}... (yours) vs {wb[:24]}... (export): same name and size, other weights"
+            f"draft weights fingerprint {wa[:24]}... (yours) vs {wb[:24]}... (export): "
+            f"{'same name and size' if same_name else 'same size'}, other weights"
         )
     for key in ("name_or_path", "architecture", "hidden_size", "num_hidden_layers", "num_parameters"):
         a, b = want_draft.get(key), exp_draft.get(key)
@@ -126,6 +134,48 @@ def _read_config(cfg_path: Path) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"{cfg_path}: expected a JSON object, got {type(config).__name__}; re-export the policy")
     return config
+
+
+# Every key an export's config.json may hold (export.py's schema); anything else is an edit or a
+# newer writer, and a reader that ignored it could run with settings the file does not mean.
+CONFIG_KEYS = frozenset({
+    "format", "model_type", "schema_version", "specstop_version", "created", "name", "policy", "predictor",
+    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check",
+})
+PREDICTOR_KEYS = frozenset({"family", "config", "label", "num_parameters", "weights", "dtype"})
+
+
+def _check_config_keys(cfg_path: Path, config: dict) -> None:
+    """Refuse unknown keys at the top level and in ``predictor`` (docs/errors.md)."""
+    for section, keys, allowed in (("", config, CONFIG_KEYS), ("predictor.", config.get("predictor"), PREDICTOR_KEYS)):
+        if not isinstance(keys, dict):
+            continue
+        unknown = sorted(str(k) for k in keys if k not in allowed)
+        if unknown:
+            raise UserError(
+                f"{cfg_path}: unknown config key {section + unknown[0]!r}; valid keys"
+                f"{' in predictor' if section else ''}: {', '.join(sorted(allowed))} (the export was edited or "
+                "written by a newer specstop: re-export it)"
+            )
+
+
+def check_policy_inputs(policy: StoppingPolicy, hidden_size: int | None, where: str = "the policy") -> None:
+    """Refuse a policy whose predictor reads draft hidden states of another width than the draft's.
+
+    ``--allow-draft-mismatch`` lets a predictor run on another draft's features; it cannot make a
+    ``[B, 896]`` layer read a ``[B, 64]`` state (that is a shape error deep inside the decoder).
+
+    Raises:
+        UserError: naming both sizes.
+    """
+    fs = policy.feature_spec
+    if fs is None or hidden_size is None or not (fs.reads_hidden or fs.reads_state) or fs.hidden_size == hidden_size:
+        return
+    raise UserError(
+        f"{where} reads draft hidden states of size {fs.hidden_size} but this draft's hidden size is {hidden_size}; "
+        "--allow-draft-mismatch cannot bridge different sizes: use a policy exported for this draft "
+        "(or a rule such as confidence:0.4)"
+    )
 
 
 def _feature_spec_or_none(d: dict) -> FeatureSpec | None:
@@ -298,6 +348,7 @@ class StoppingPolicy(
                 f"by this runtime (it reads {EXPORT_FORMAT!r} version {SCHEMA_VERSION}); upgrade specstop "
                 "or re-export the checkpoint with this version"
             )
+        _check_config_keys(cfg_path, config)
         pair = config.get("pair") or {}
         expected = {"draft": draft_identity, "tokenizer_hash": tokenizer_hash}
         ok, why = identity_matches(expected, pair)

@@ -65,6 +65,11 @@ def convert_zero_checkpoint(folder: str | Path) -> Path:
 def _read(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
+        if (path / "config.json").is_file():
+            raise MissingInputError(
+                f"{path} is an export folder, not a training checkpoint; give the .ckpt it was exported from "
+                "(its config.json 'source.checkpoint')"
+            )
         if not (path / "checkpoint").is_dir() and not consolidated_path(path).is_file():
             raise MissingInputError(
                 f"{path} is a folder, not a checkpoint file or a DeepSpeed checkpoint folder; "
@@ -73,6 +78,10 @@ def _read(path: str | Path) -> dict:
         path = convert_zero_checkpoint(path)
     if not path.is_file():
         raise MissingInputError(f"no checkpoint at {path}; `specstop train` prints the best checkpoint's path")
+    if path.suffix in (".safetensors", ".json"):
+        what = "a safetensors weights file (an export's model.safetensors?)" if path.suffix == ".safetensors" else (
+            "a JSON file (a tuned.json or config.json?)")
+        raise UserError(f"{path} is {what}, not a training checkpoint; give the .ckpt that `specstop train` printed")
     try:
         # weights_only=True: a checkpoint is data and must not run code when read. PredictorModule
         # stores plain dicts so this succeeds; only foreign checkpoints need the fallback.

@@ -86,7 +86,16 @@ def fetch_pair(
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    from specstop.outputs import check_writable
+    from specstop.pair.registry import is_converted
+    from specstop.paths import CACHE_ENV, cache_dir
+
     t0 = time.perf_counter()
+    if args.force or not is_converted(args.name):  # a converted pair is only read: a read-only cache is fine
+        where = f"the cache (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else "the cache"
+        check_writable(cache_dir(), where)
     report = fetch_pair(args.name, force=args.force, keep_gguf=args.keep_gguf)
     root = converted_pair_dir(args.name)
     if all(r["skipped"] for r in report.values()):

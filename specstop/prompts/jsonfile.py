@@ -14,7 +14,8 @@ import json
 import zlib
 from pathlib import Path
 
-from specstop.errors import MissingInputError, UserError
+from specstop.config_io import not_a_file
+from specstop.errors import UserError
 
 #: A prompt record and the 1-based line it starts on.
 Located = tuple[int, dict]
@@ -70,7 +71,7 @@ def read_json_records(path: str | Path) -> list[Located]:
     """
     path = Path(path)
     if not path.is_file():
-        raise MissingInputError(f"prompt file {path} does not exist; give a .json, .jsonl or .jsonl.gz file")
+        raise not_a_file(path, "prompt file", "give a .json, .jsonl or .jsonl.gz file")
     try:
         text = _read_text(path)
     except UnicodeDecodeError as err:

@@ -102,7 +102,7 @@ def _load_humaneval() -> list[dict]:
 
 def _local_records(path: Path) -> list[tuple[int, dict]]:
     """``(line, record)`` pairs of a local prompt file."""
-    if not path.is_file() and path.name.split(".")[0] in BUILTINS:
+    if not path.exists() and path.name.split(".")[0] in BUILTINS:
         name = path.name.split(".")[0]
         raise MissingInputError(
             f"prompt file {path} does not exist; the prompt sets now ship with specstop: use `source: builtin:{name}` "

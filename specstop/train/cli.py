@@ -50,7 +50,9 @@ class MemoryGuardCallback(Callback):
 
 
 class SpecstopCLI(LightningCLI):
-    """LightningCLI with specstop defaults: best-checkpoint callback, CSV + TensorBoard, links."""
+    """LightningCLI with specstop defaults: best- and last-checkpoint callback, CSV + TensorBoard, links."""
+
+    _argv: list[str] | None = None  # the command line, for the resume hint
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -61,6 +63,8 @@ class SpecstopCLI(LightningCLI):
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "best-{epoch:02d}-{val_auroc:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
+                # last.ckpt after every epoch: an interrupted run keeps its latest epoch, not only its best.
+                "checkpoint.save_last": True,
                 "trainer.logger": [
                     {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
                     {
@@ -92,10 +96,13 @@ class SpecstopCLI(LightningCLI):
                 init = lg.get("init_args") if hasattr(lg, "get") else None
                 if init is not None and init.get("save_dir") == DEFAULT_LOG_DIR:
                     init["save_dir"] = str(root)
+        if self.subcommand in (None, "fit"):
+            check_train_outputs(cfg)  # before any data is read or an epoch is run
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
         self.trainer.callbacks.append(MemoryGuardCallback())
+        self.trainer.callbacks.append(ResumeHintCallback(self._argv))
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_resume_pair(cfg.get("ckpt_path"), self.datamodule)
 
@@ -105,6 +112,55 @@ class SpecstopCLI(LightningCLI):
         if report.get("best_checkpoint"):
             print(f"best checkpoint: {report['best_checkpoint']}")
             print(f"metrics: {Path(report['metrics_path']).resolve()}")
+
+
+def check_train_outputs(cfg) -> None:
+    """Refuse, before any data is read, checkpoint and log folders that cannot be written."""
+    from specstop.outputs import check_writable
+
+    root = cfg.trainer.get("default_root_dir")
+    places = {"--checkpoint.dirpath": cfg.get("checkpoint", {}).get("dirpath") if hasattr(cfg.get("checkpoint", {}), "get") else None}
+    for lg in cfg.trainer.get("logger") or []:
+        init = lg.get("init_args") if hasattr(lg, "get") else None
+        if init is not None and init.get("save_dir"):
+            places.setdefault("logger save_dir", init.get("save_dir"))
+    if root:
+        places["--trainer.default_root_dir"] = root
+    for flag, folder in places.items():
+        if folder:
+            check_writable(folder, flag)
+
+
+class ResumeHintCallback(Callback):
+    """On Ctrl-C (or a crash) prints the one command that resumes from the last saved epoch."""
+
+    def __init__(self, argv: list[str] | None) -> None:
+        self.argv = [a for a in (argv or []) if a != "fit"]
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if not trainer.is_global_zero or not isinstance(exception, KeyboardInterrupt):
+            return
+        print(resume_hint(trainer, self.argv), file=sys.stderr)
+
+
+def resume_hint(trainer, argv: list[str]) -> str:
+    """The one line printed when training is interrupted: what was kept and how to resume."""
+    ckpt = trainer.checkpoint_callback
+    last = getattr(ckpt, "last_model_path", "") if ckpt is not None else ""
+    if not last or not Path(last).exists():
+        return "specstop train: interrupted before the first epoch finished; nothing to resume: rerun the same command"
+    args, skip = [], False
+    for a in argv:  # an earlier --ckpt_path is replaced by the newest last.ckpt
+        if skip:
+            skip = False
+            continue
+        if a == "--ckpt_path":
+            skip = True
+            continue
+        if not a.startswith("--ckpt_path="):
+            args.append(a)
+    cmd = " ".join(["specstop", "train", *args, "--ckpt_path", str(Path(last).resolve())])
+    return f"specstop train: interrupted; epoch {trainer.current_epoch} is saved in {last}: resume with `{cmd}`"
 
 
 def check_resume_pair(ckpt_path, datamodule) -> None:
@@ -230,7 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         # sys.argv still holds the whole command line (Lightning's DDP launcher re-runs it per
         # rank, so it must stay as is); LightningCLI warns about exactly this combination.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        from specstop.config_io import check_yaml_file
+        from specstop.train.launch import _flag_values
+
+        for path in _flag_values(argv, "--config"):  # duplicate keys / sections: file:line, before Lightning reads it
+            if Path(path).is_file():
+                check_yaml_file(path, "train config")
         try:
+            SpecstopCLI._argv = argv
             build_cli(with_default_subcommand(argv), run=True)
         except argparse.ArgumentError as err:
             raise UserError(summarize_parse_error(str(err))) from None

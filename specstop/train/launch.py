@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from specstop.config_io import read_yaml
 from specstop.distributed import device_count
 from specstop.errors import UserError
 
@@ -45,7 +46,7 @@ def requested_processes(argv: list[str]) -> int:
     for path in _flag_values(argv, "--config"):
         p = Path(path)
         if p.is_file():
-            doc = yaml.safe_load(p.read_text()) or {}
+            doc = read_yaml(p, "train config") or {}
             trainer.update((doc.get("trainer") or {}) if isinstance(doc, dict) else {})
     for key in ("devices", "accelerator", "num_nodes"):
         values = _flag_values(argv, f"--trainer.{key}")

@@ -21,7 +21,9 @@ from pathlib import Path
 import yaml
 
 from specstop.cli_flags import add_deprecated_alias
+from specstop.config_io import read_yaml
 from specstop.errors import UserError
+from specstop.outputs import atomic_write_text
 
 log = logging.getLogger("specstop.sweep")
 
@@ -88,12 +90,13 @@ def _simulated_throughput(ckpt: str, data_dir: str, cost_model: str) -> dict:
 
 def run_grid(args) -> list[dict]:
     from specstop.models.checkpoint import load_predictor
+    from specstop.outputs import check_writable
     from specstop.train.cli import build_cli
     from specstop.train.evaluate import evaluate_predictor
     from specstop.train.launch import requested_processes, run_train
 
-    base = yaml.safe_load(Path(args.config).read_text()) or {}
-    out = Path(args.out)
+    base = read_yaml(args.config, "train config") or {}
+    out = check_writable(args.out, "--out")  # before the first of many trainings
     out.mkdir(parents=True, exist_ok=True)
     depths = _ints(args.depth) or [None]
     lrs = _floats(args.lr) or [None]
@@ -104,7 +107,7 @@ def run_grid(args) -> list[dict]:
         cfg = _grid_config(base, out, name, w_rej, depth, lr, args)
         conf_path = out / name / "config.yaml"
         conf_path.parent.mkdir(parents=True, exist_ok=True)
-        conf_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        atomic_write_text(conf_path, yaml.safe_dump(cfg, sort_keys=False))
         if requested_processes(["--config", str(conf_path)]) > 1:
             # Several devices: Lightning relaunches the training command per rank, so it must be
             # its own `specstop train` process (not this sweep); evaluate its best checkpoint here.
@@ -144,7 +147,7 @@ def _fmt(v, nd=4) -> str:
 
 
 def _write(out: Path, rows: list[dict]) -> None:
-    (out / "sweep.json").write_text(json.dumps(rows, indent=2, default=float) + "\n")
+    atomic_write_text(out / "sweep.json", json.dumps(rows, indent=2, default=float) + "\n")
     lines = [
         "| w_rej | D | lr | train KL | val KL | train AUROC | val AUROC | val F1 | best sim. throughput (h) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -161,7 +164,7 @@ def _write(out: Path, rows: list[dict]) -> None:
         "\nKL: mean binary KL(true || predicted acceptance) in nats (SpecDec++ Table 3), of the best "
         "checkpoint (by the config's monitor) on each split.\n"
     )
-    (out / "sweep.md").write_text("\n".join(lines) + "\n" + note)
+    atomic_write_text(out / "sweep.md", "\n".join(lines) + "\n" + note)
 
 
 def run(args) -> int:
