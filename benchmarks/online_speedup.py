@@ -9,11 +9,12 @@ Methods (greedy):
                         with plain from_pretrained (no specstop fast paths): what stock transformers gives
     ours:<policy>       our SpeculativeDecoder with each --policy (static:K, heuristic, confidence:T, an export
                         folder, or tuned:NAME for a policy of --tuned FILE, e.g. tuned:static_opt)
-    ours <tree>         our TreeDecoder for --policy mcsd:K1,K2,... / tree:N[,W[,D]] (token trees; no replay
-                        and no cost-model prediction: the chain cost model prices K tokens as K draft forwards)
+    ours <tree>         our TreeDecoder for --policy mcsd:K1,K2,... / tree:N[,W[,D]] (token trees; no replay;
+                        with --cost each run is priced round by round: t_target(nodes) + draft forwards x t_draft)
     ours pearl[:G]      our PearlDecoder for --policy pearl / pearl:G (draft and target in parallel worker
-                        processes on split cores; gamma from --cost when given, else measured; no replay and no
-                        chain cost-model prediction)
+                        processes on split cores; gamma from --cost when given, else measured); with --data and
+                        --cost, PEARL's timing model on the same prompts (priced with the cost file's measured
+                        core split when calibrate-cost recorded one) is its prediction
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
                     "prompt (default: tuned:static_opt when given)")
     ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
     ap.add_argument("--cost", help="cost model (cost.json from `specstop calibrate-cost`, or a preset)")
+    ap.add_argument("--node-head", metavar="CKPT",
+                    help="a tree_node_mlp checkpoint: every dynamic tree policy (tree:N) also runs grown by it")
     ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
@@ -133,8 +136,10 @@ def main(argv=None) -> int:
 
     from specstop.data_gen.storage import read_manifest
     from specstop.decode import TreeDecoder
+    from specstop.decode.node_head import load_node_head
     from specstop.decode.pearl import PearlDecoder
     from specstop.decode.pearl_spec import PearlSpec
+    from specstop.decode.tree_shape import DynamicTreeShape
     from specstop.eval import online
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.decoder import SpeculativeDecoder
@@ -182,15 +187,22 @@ def main(argv=None) -> int:
             pearls.append(PearlDecoder(pair, pol, DecodingConfig()).start())
             print(f"{name}: {pearls[-1].gamma_source if pol.gamma is None else f'gamma={pol.gamma}'}, "
                   f"workers {pearls[-1].workers.describe()}")
-            fn = online.decoder_method(f"ours {name}", pearls[-1]).fn  # no chain round histogram, as for trees
-            methods.append(online.Method(f"ours {name}", lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None)))
+            fn = online.decoder_method(f"ours {name}", pearls[-1]).fn  # PEARL's phases are no chain K histogram
+            pred = None
+            if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
+                from specstop.eval.same_prompts import pearl_same_prompts
+
+                pred = pearl_same_prompts(args.data, args.split, names, max_new, cost, pearls[-1].spec.gamma)
+            methods.append(online.Method(f"ours {name}", lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None),
+                                         same_prompts=pred))
             continue
-        if not isinstance(pol, StoppingPolicy):  # a token tree
-            tree = online.decoder_method(f"ours {name}", TreeDecoder(pair, pol, DecodingConfig()))
-            if cost is not None:  # no round histogram: the chain cost model would misprice tree rounds
-                fn = tree.fn
-                tree = dataclasses.replace(tree, fn=lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None))
-            methods.append(tree)
+        if not isinstance(pol, StoppingPolicy):  # a token tree, priced round by round (no K histogram)
+            methods.append(online.tree_method(f"ours {name}", TreeDecoder(pair, pol, DecodingConfig()), cost=cost))
+            if args.node_head and isinstance(pol, DynamicTreeShape):  # the same node budget, grown by the head
+                head = load_node_head(args.node_head)
+                head.check_pair(pair)
+                methods.append(online.tree_method(f"ours {name}+node-head",
+                                                  TreeDecoder(pair, pol, DecodingConfig(), node_head=head), cost=cost))
             continue
         replay = None
         if replay_rows:

@@ -297,7 +297,8 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
             lambda: (_cli(["calibrate-cost", *_pair_args(cfg), "--dtype", cfg.dtype, "--out", str(cost_path),
                            "--data", str(eval_data), "--budget", str(cfg.calibrate_budget),
                            *(["--device", cfg.device] if cfg.device else [])]) or {"cost": str(cost_path)}),
-            outputs_exist=lambda o: Path(o.get("cost", "")).is_file(),
+            # A table that failed its check is measured again on a rerun (unless it is to be used anyway).
+            outputs_exist=lambda o: Path(o.get("cost", "")).is_file() and (cfg.force_cost or _cost_passes(o["cost"])),
         )
         cost_arg = str(cost_path)
 
@@ -393,10 +394,12 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     tuned = json.loads(Path(tuned_path).read_text())
     rows = json.loads(Path(report_path).read_text()).get("rows") or {} if Path(report_path).is_file() else {}
     cost = load_cost_model(cost_arg)
-    n_methods = 2 + sum(n in tuned.get("policies", {}) for n in ("static_opt", "confidence_opt")) + int(
-        cfg.online_hf_default and not float(gen.get("temperature") or 0.0))
+    # Expected speedups for the estimate: the replay's for the tuned methods, 1 for the rest.
+    expected = [1.0, replay_speedup_of(rows, str(tuned.get("best")))]
+    expected += [replay_speedup_of(rows, n) for n in ("static_opt", "confidence_opt") if n in tuned.get("policies", {})]
+    expected += [1.0] * int(cfg.online_hf_default and not float(gen.get("temperature") or 0.0))
     size = size_online_check(cost, [len(p) for p in prompts], max_new_tokens=max_new, repeats=cfg.online_repeats,
-                             methods=n_methods, budget_s=cfg.online_budget)
+                             speedups=expected, budget_s=cfg.online_budget)
     log.info("%s", size.line())
     prompts, max_new = prompts[: size.prompts], size.max_new_tokens
     prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
@@ -446,6 +449,25 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
         raise RuntimeError(f"online check: speculative output differs from the target's greedy output beyond "
                            f"near-ties ({len(bad)} case(s)), see {out_path}")
     return {"online": str(out_path)}
+
+
+def _cost_passes(path: str) -> bool:
+    """Does the calibrated table at ``path`` pass its check (:mod:`specstop.eval.cost_check`)?"""
+    from specstop.eval.cost import load_cost_model
+    from specstop.eval.cost_check import table_problems
+
+    try:
+        return not table_problems(load_cost_model(path))
+    except ValueError:
+        return False
+
+
+def replay_speedup_of(rows: dict, name: str) -> float:
+    """The eval report's replayed speedup of tuned policy ``name`` (1.0 when it has none)."""
+    from specstop.eval.report import row_key_for_policy
+
+    key = row_key_for_policy(rows, name) if rows else None
+    return float(rows[key].get("speedup") or 1.0) if key else 1.0
 
 
 def pair_dtype_is_float32(summary: dict) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "logits_to_probs",
     "residual_distribution",
     "top_k_probs",
+    "top_k_probs_and_ids",
     "tv_distance",
 ]
 
@@ -124,6 +125,18 @@ def top_k_probs(probs: torch.Tensor, k: int) -> torch.Tensor:
     if k > probs.shape[-1]:
         raise UserError(f"top-k feature size k={k} exceeds the vocabulary ({probs.shape[-1]})")
     return torch.topk(probs.float(), k, dim=-1).values
+
+
+def top_k_probs_and_ids(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k_probs` and the token ids they belong to, from one ``topk`` (ties ordered alike).
+
+    Returns:
+        ``(values [..., k] float32, ids [..., k] int64)``, values sorted descending.
+    """
+    if k > probs.shape[-1]:
+        raise UserError(f"top-k feature size k={k} exceeds the vocabulary ({probs.shape[-1]})")
+    top = torch.topk(probs.float(), k, dim=-1)
+    return top.values, top.indices
 
 
 def accept_probability(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -255,6 +255,7 @@ def write_synthetic_dataset(
                 row["draft_prob"] = (target_prob * acc_exp).astype(np.float32)
                 row["reject_token"] = other.astype(np.int32)
                 row["reject_draft_prob"] = (top1 * rng.uniform(0.05, 1.0, n_tok)).astype(np.float32)
+                row["target_rank"], row["topk_ids"] = _synthetic_topk_ids(token, draft_argmax, greedy, k, vocab_size)
                 hidden = None
                 if hidden_size:
                     hidden = rng.standard_normal((n_tok, hidden_size)) + 3.0 * (c[:, None] * dirs[0] + u[:, None] * dirs[1])
@@ -388,3 +389,18 @@ def write_synthetic_dataset(
     if bars_were_on:
         datasets.enable_progress_bars()
     return out_dir
+
+
+def _synthetic_topk_ids(token, draft_argmax, greedy, k: int, vocab_size: int):
+    """``(target_rank [n], topk_ids [n, k])`` int32 of synthetic token rows, without random draws (so
+    every other synthetic column stays as it was): rank 0 where the draft's argmax matches, else a
+    rank 1..k-1 derived from the token, or -1 (not among the top-k) for every k-th token id."""
+    import numpy as np
+
+    rank = np.where(greedy, 0, np.where(token % k == 0, -1, token % k)).astype(np.int32)
+    ids = (token[:, None] + 1 + np.arange(k)[None, :]) % (vocab_size - 1)
+    ids[:, 0] = draft_argmax
+    rows = np.flatnonzero(rank >= 0)
+    ids[rows, rank[rows]] = token[rows]
+    return rank, ids.astype(np.int32)
+

@@ -123,17 +123,20 @@ def test_gap_closed_only_when_the_oracle_is_fastest():
 
 
 def test_online_check_sizes_itself_to_its_budget():
-    from specstop.eval.online_budget import estimate, size_online_check
+    from specstop.eval.online_budget import estimate, run_seconds, size_online_check
 
     cost = measured(SMOOTH)
     lens = [120] * 8
-    full = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=None)
-    assert (full.prompts, full.max_new_tokens) == (8, 32) and "budget" not in full.line()
-    assert full.estimate_s == pytest.approx(estimate(cost, lens, 32, 2, 5))
-    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=full.estimate_s / 3)
+    speedups = [1.0, 1.5, 1.5, 1.6, 1.0]  # target, three tuned methods, HF (unknown)
+    full = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=None)
+    assert (full.prompts, full.max_new_tokens, full.methods) == (8, 32, 5) and "budget" not in full.line()
+    assert full.estimate_s == pytest.approx(estimate(cost, lens, 32, 2, speedups))
+    # A faster method costs less: its decode steps are divided by its speedup, its prefill is not.
+    assert run_seconds(cost, 120, 32, 2.0) < run_seconds(cost, 120, 32) < 2 * run_seconds(cost, 120, 32, 2.0)
+    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=full.estimate_s / 3)
     assert fit.prompts < 8 and fit.max_new_tokens == 32 and fit.estimate_s <= full.estimate_s / 3
     assert "sized to its" in fit.line() and f"{fit.prompts} prompts x 32 tokens x 2 repeats x 5 methods" in fit.line()
-    tiny = size_online_check(cost, lens, max_new_tokens=32, repeats=2, methods=5, budget_s=1.0)
+    tiny = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=1.0)
     assert tiny.prompts == 2 and tiny.max_new_tokens == 16  # the floor: still a check, said so in its line
     assert np.isfinite(tiny.estimate_s)
 
@@ -147,3 +150,34 @@ def test_remeasuring_a_few_short_k_still_times_the_draft():
     ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 30)
     raw = time_pair(pair, ctx, context_tokens=30, budget_s=0.05, k_grid=(1,), progress=False)
     assert set(raw["target"]) == {1} and len(raw["draft"]) == raw["rounds"] * DRAFT_STEPS_PER_ROUND
+
+
+def test_pearl_row_priced_with_the_measured_split():
+    from specstop.eval.pearl import pearl_replay
+    from specstop.eval.synthetic import random_replay_data
+
+    data = random_replay_data(10, 40, seed=3)
+    ideal = measured(SMOOTH)
+    split = CostModel(**{**ideal.to_dict(), "target_by_k": SMOOTH,
+                         "pearl_split": {"draft_step": 0.08, "target_scale": 1.7, "measured": {}}})
+    a, b = pearl_replay(data, ideal), pearl_replay(data, split)
+    assert "idealised" in a["model"] and "measured core split" in b["model"]
+    assert b["latency_per_token"] > a["latency_per_token"]  # half the machine each: slower than perfect overlap
+
+
+def test_calibrate_times_pearls_core_split():
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("PEARL's split needs 2+ cores")
+    from specstop.eval.calibrate import build_context, calibrate
+    from specstop.testing import tiny_pair
+
+    pair = tiny_pair()
+    ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 40)
+    cost, _ = calibrate(pair, context=ctx, context_tokens=40, budget_s=0.1, k_grid=(0, 1, 4), progress=False,
+                        check_decoder=False, measure_pearl=True)
+    split = cost.pearl_split
+    assert split["draft_step"] > 0 and split["target_scale"] > 0
+    assert {"draft_alone_s", "target_beside_draft_s", "gamma_beside"} <= set(split["measured"])
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))).pearl_split == split

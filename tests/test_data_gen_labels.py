@@ -73,6 +73,11 @@ def test_label_math_matches_brute_force(pair, batch, dec):
             qq = ref_probs(dl[pos], V, dec.temperature, dec.top_k, dec.top_p)
             assert c["position"][row] == i and c["token"][row] == x
             np.testing.assert_allclose(c["topk"][row], np.sort(qq)[::-1][:10], rtol=1e-4, atol=1e-6)
+            # Token trees: the ids carry the stored probabilities; target_rank points at X_i among them.
+            ids, rank = c["topk_ids"][row], int(c["target_rank"][row])
+            assert len(set(ids.tolist())) == 10
+            np.testing.assert_allclose(qq[ids], c["topk"][row], rtol=1e-4, atol=1e-6)
+            assert ids[rank] == x if rank >= 0 else x not in ids.tolist()
             ent = -sum(v * np.log(v) for v in qq if v > 0)
             assert c["entropy"][row] == pytest.approx(ent, rel=1e-4, abs=1e-5)
             tv = 0.5 * sum(abs(a - b_) for a, b_ in zip(pp, qq))

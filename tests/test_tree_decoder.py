@@ -284,3 +284,22 @@ def test_decode_cli_tree_policies(tiny_pair_dir, capsys):
     assert len(err) == 1 and "mcsd:4,two" in err[0] and "whole numbers" in err[0]
     assert main(base + ["--policy", "tree:8", "--static-cache"]) == 2
     assert "drop --static-cache" in capsys.readouterr().err
+
+
+def test_tree_rounds_priced_by_the_cost_model(pair, prompts):
+    from specstop.eval import online
+    from specstop.eval.cost import CostModel
+
+    cost = CostModel(t_draft=0.01, t_target=0.1, target_by_k={0: 0.1, 4: 0.12, 16: 0.2}, provenance="measured")
+    # Two tree rounds (8 and 3 nodes) and one target-only step; 5 tree expansions besides the 2 catch-up feeds.
+    expected = cost.target_cost(8) + cost.target_cost(3) + cost.target_cost(0) + (2 + 5) * 0.01
+    assert online.tree_round_seconds(cost, [8, 3, 0], 5) == pytest.approx(expected)
+    tree = online.tree_method("ours mcsd:2,2", TreeDecoder(pair, parse_tree_policy("mcsd:2,2"), DecodingConfig()),
+                              cost=cost)
+    base = online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1")),
+                                 max_draft=0, kind="baseline")
+    meas = online.measure(prompts[:2], [base, tree], max_new_tokens=8, repeats=1)
+    run = meas.runs["ours mcsd:2,2"][0][0]
+    assert run.priced > 0 and run.k_hist is None
+    row = online.summarize(meas, [base, tree], baseline="target", cost=cost)["rows"]["ours mcsd:2,2"]
+    assert row["predicted_decode_speedup"] > 0 and row["predicted_round_seconds"] > 0 and row["greedy_diffs"] == 0

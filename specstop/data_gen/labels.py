@@ -30,7 +30,7 @@ from specstop.probs import (
     entropy,
     logits_to_probs,
     residual_distribution,
-    top_k_probs,
+    top_k_probs_and_ids,
     tv_distance,
 )
 
@@ -53,7 +53,9 @@ class TeacherLabels:
 # Recorded in manifests and in the shard fingerprint: a dataset never mixes label semantics.
 # 2: greedy data label the argmax draft token (1 sampled Y_i at T = 1). 3: tokens also record
 # p_i(X_i), q_i(X_i) and a draw from the residual norm(max(q_i - p_i, 0)) (sampled replay).
-LABELS_VERSION = 3
+# 4: tokens also record the ids of q_i's top-k (topk_ids) and X_i's rank among them (target_rank):
+# the candidate children a token tree drafts at i, and which of them the target accepts.
+LABELS_VERSION = 4
 
 
 def label_semantics(decoding: DecodingConfig) -> str:
@@ -163,7 +165,7 @@ def teacher_labels(
     u_reject = torch.cat([uniforms(seed, idx, "reject-sample", len(r)) for idx, r in zip(prompt_indices, responses)])
     cols: dict[str, list] = {c: [] for c in (
         "draft_argmax", "target_top1", "topk", "entropy", "tv", "draft_token", "accept_prob", "verified",
-        "target_prob", "draft_prob", "reject_token", "reject_draft_prob")}
+        "target_prob", "draft_prob", "reject_token", "reject_draft_prob", "topk_ids", "target_rank")}
     for s in range(0, R, chunk_rows):
         e = min(R, s + chunk_rows)
         dl = d_out.logits[s:e]
@@ -182,7 +184,13 @@ def teacher_labels(
             acc = accept_probability(p, q, y)
         cols["draft_argmax"].append(d_arg)
         cols["target_top1"].append(t_arg)
-        cols["topk"].append(top_k_probs(q, k))
+        top_vals, top_ids = top_k_probs_and_ids(q, k)
+        cols["topk"].append(top_vals)
+        # Token trees draft q_i's top-k as candidate children: their ids, and which one (if any)
+        # is the target's token X_i (-1: none of them), label a tree node (specstop.train.tree_nodes).
+        hit = top_ids == x_tok[s:e].unsqueeze(-1)
+        cols["topk_ids"].append(top_ids)
+        cols["target_rank"].append(torch.where(hit.any(-1), hit.int().argmax(-1), -1))
         cols["entropy"].append(entropy(q))
         cols["tv"].append(tv_distance(p, q))
         cols["draft_token"].append(y)
@@ -205,12 +213,12 @@ def teacher_labels(
         del q, p
     out: dict[str, np.ndarray] = {}
     for c, parts in cols.items():
-        out[c] = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, k) if c == "topk" else 0)
+        out[c] = torch.cat(parts).cpu().numpy() if parts else np.zeros((0, k) if c in ("topk", "topk_ids") else 0)
     out["position"] = np.concatenate([np.arange(len(r)) for r in responses]).astype(np.int32) if R else np.zeros(0, np.int32)
     out["token"] = x_tok.cpu().numpy().astype(np.int32)
     out["accept_expected"] = (1.0 - out["tv"]).astype(np.float32)
     out["greedy_match"] = out["draft_argmax"] == out["token"]
-    for c in ("draft_argmax", "target_top1", "draft_token", "reject_token"):
+    for c in ("draft_argmax", "target_top1", "draft_token", "reject_token", "topk_ids", "target_rank"):
         out[c] = out[c].astype(np.int32)
     if hidden:
         out["hidden"] = d_out.hidden.to(torch.float16).cpu().numpy() if R else np.zeros((0, 0), np.float16)

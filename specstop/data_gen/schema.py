@@ -9,7 +9,10 @@ Arrow folders. Every shard covers a fixed set of prompts of one split and holds 
 
 ``tokens`` - one row per response position i (teacher forcing over x + X):
     position i (0-based, from the start of the response); token X_i; draft_argmax = argmax q_i;
-    topk = the k largest probabilities of q_i (sorted); entropy of q_i (nats);
+    topk = the k largest probabilities of q_i (sorted); topk_ids = their token ids (same order);
+    target_rank = the rank of X_i among topk_ids, or -1 when X_i is not among them (labels
+    version 4: a token tree's candidate children at i and which one the target accepts);
+    entropy of q_i (nats);
     tv = TV(p_i, q_i); accept_expected = 1 - tv; greedy_match = [argmax q_i == X_i];
     draft_token Y_i ~ q_i (seeded); accept_prob = min(1, p_i(Y_i) / q_i(Y_i));
     verified ~ Bernoulli(accept_prob) (seeded); target_top1 = argmax p_i;
@@ -80,6 +83,8 @@ def features_for(table: str, k: int, hidden_size: int | None):
             "draft_argmax": Value("int32"),
             "target_top1": Value("int32"),
             "topk": List(Value("float32"), length=k),
+            "topk_ids": List(Value("int32"), length=k),
+            "target_rank": Value("int32"),
             "entropy": Value("float32"),
             "tv": Value("float32"),
             "accept_expected": Value("float32"),

@@ -1,7 +1,8 @@
 """Multi-candidate (token tree) speculative decoding: shapes, tree attention, drafting, verification.
 
 Imports flow one way: ``token_tree`` <- ``tree_shape`` <- ``drafting`` / ``verify`` / ``tree_cache``
-<- ``tree_decoder``. The chain decoder (:mod:`specstop.export.decoder`) supplies the shared pieces
+<- ``tree_decoder``; ``node_head`` (the learned node scorer, from ``specstop.models.tree_node``) is
+handed to ``tree_decoder`` by its caller. The chain decoder (:mod:`specstop.export.decoder`) supplies the shared pieces
 (``DecodeResult``, EOS ids, the phase timer, the cached-model wrapper).
 
 PEARL (draft and target in parallel): ``pearl_spec`` <- ``pearl_server`` <- ``pearl_workers`` <- ``pearl``

@@ -10,6 +10,14 @@ draft probability along the path. Under sampling the score never reads the drawn
 whether a candidate enters the tree is decided before it is drawn, which the lossless multi-candidate
 rule requires (a candidate kept *because* of its value would no longer be a draw from q_v).
 
+A node scorer (the learned node head, :mod:`specstop.decode.node_head`) may replace the factor
+s_i by its own estimate that the target accepts candidate i given that it accepts v's path; the
+child's score is then ``score(v)`` times that estimate. It reads only what the draft has before
+the candidate is drawn (q_v, the rank i, the joint draft probability of v's path, the depth), so
+it decides WHICH nodes are drafted and nothing else: acceptance stays exact. Its estimates are made
+non-increasing over the candidate order (a running minimum), so best-first growth still adds
+each node's children as a prefix of its candidate order. Static shapes ignore the scorer.
+
 Which nodes enter the tree is final once decided (nothing drafted is pruned afterwards), and each
 node's children are always a prefix of its candidate order - again what the verification needs.
 All nodes expanded in one step are fed to the draft in ONE forward (tree attention); nodes that can
@@ -19,6 +27,7 @@ get no children (EOS, depth cap, budget spent) are never fed, like the chain's l
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,10 +35,13 @@ import torch
 from specstop.decode.token_tree import TokenTree
 from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, TreeShape
 
-__all__ = ["candidate_order", "grow_tree"]
+__all__ = ["NodeScorer", "candidate_order", "grow_tree"]
 
 # expand(tree, nodes) -> [len(nodes), V] draft distributions of the fed nodes (one draft forward).
 Expand = Callable[[TokenTree, list[int]], torch.Tensor]
+# scorer(q_v [V], n, log joint draft probability of v's path, depth of the children) -> n estimates
+# of P(candidate i accepted | v's path accepted), i = 0..n-1. ``scorer.max_candidates`` caps n.
+NodeScorer = Callable[[torch.Tensor, int, float, int], list[float]]
 
 
 def candidate_order(
@@ -68,6 +80,7 @@ def grow_tree(
     eos: set[int],
     greedy: bool,
     gen: torch.Generator | None = None,
+    scorer: NodeScorer | None = None,
 ) -> tuple[TokenTree, int]:
     """Draft one round's tree.
 
@@ -79,6 +92,8 @@ def grow_tree(
         depth_cap: no node deeper than this (the round's remaining-tokens cap, >= 1).
         eos: EOS ids (an EOS node gets no children).
         greedy / gen: how candidates are picked (see :func:`candidate_order`).
+        scorer: estimates each candidate's acceptance for dynamic shapes (None: its draft
+            probability factor, EAGLE-2's joint probability).
 
     Returns:
         ``(tree, draft_forwards)``: the tree (``draft_dists`` holds q for every expanded node) and
@@ -89,7 +104,7 @@ def grow_tree(
     if isinstance(shape, StaticTreeShape):
         return _grow_static(shape, tree, expand, depth_cap, eos, greedy, gen)
     if isinstance(shape, DynamicTreeShape):
-        return _grow_dynamic(shape, tree, expand, depth_cap, eos, greedy, gen)
+        return _grow_dynamic(shape, tree, expand, depth_cap, eos, greedy, gen, scorer)
     raise TypeError(f"unknown tree shape {shape!r}")
 
 
@@ -110,15 +125,25 @@ def _grow_static(shape, tree, expand, depth_cap, eos, greedy, gen):
     return tree, forwards
 
 
-def _grow_dynamic(shape, tree, expand, depth_cap, eos, greedy, gen):
+def _grow_dynamic(shape, tree, expand, depth_cap, eos, greedy, gen, scorer=None):
     budget = shape.budget
     order: dict[int, tuple[list[int], list[float]]] = {}
+    gains: dict[int, list[float]] = {}  # per candidate of v: the factor its path score is multiplied by
+    joint = {0: 1.0}  # joint draft probability of each node's path (what a scorer reads)
     heap: list[tuple[float, int, int]] = []  # (-score of v's next candidate, v, candidate index)
 
     def open_node(v: int) -> None:
-        order[v] = candidate_order(tree.draft_dists[v], min(budget, shape.width), greedy, gen)
-        if order[v][0]:
-            heapq.heappush(heap, (-tree.scores[v] * order[v][1][0], v, 0))
+        k = min(budget, shape.width)
+        if scorer is not None:
+            k = min(k, scorer.max_candidates)
+        order[v] = candidate_order(tree.draft_dists[v], k, greedy, gen)
+        tokens, factors = order[v]
+        gains[v] = factors
+        if scorer is not None and tokens:
+            est = scorer(tree.draft_dists[v], len(tokens), math.log(max(joint[v], 1e-30)), tree.depths[v] + 1)
+            gains[v] = [min(est[: i + 1]) for i in range(len(est))]  # non-increasing: children stay a prefix
+        if tokens:
+            heapq.heappush(heap, (-tree.scores[v] * gains[v][0], v, 0))
 
     open_node(0)
     forwards = 0
@@ -127,9 +152,11 @@ def _grow_dynamic(shape, tree, expand, depth_cap, eos, greedy, gen):
         while heap and len(added) < min(shape.width, budget):
             neg, v, i = heapq.heappop(heap)
             tokens, factors = order[v]
-            added.append(tree.add(v, tokens[i], -neg))
+            u = tree.add(v, tokens[i], -neg)
+            joint[u] = joint[v] * factors[i]
+            added.append(u)
             if i + 1 < len(tokens):
-                heapq.heappush(heap, (-tree.scores[v] * factors[i + 1], v, i + 1))
+                heapq.heappush(heap, (-tree.scores[v] * gains[v][i + 1], v, i + 1))
         budget -= len(added)
         fed = [u for u in added if tree.depths[u] < depth_cap and tree.tokens[u] not in eos] if budget > 0 else []
         if not fed:

@@ -29,7 +29,7 @@ class TokenTree:
         parents: parent index per node (``-1`` for the root; always smaller than the node's index).
         scores: estimated path acceptance per node: the product of the draft probabilities (greedy) or
             of the draft's sorted top probabilities (sampling, see :mod:`specstop.decode.drafting`)
-            along the path; 1 at the root.
+            along the path, or of a node head's estimates (:mod:`specstop.decode.node_head`); 1 at the root.
         children: child indices per node, in the order they were drafted (the verification order).
         draft_dists: the draft distribution ``[V]`` each expanded node's children were drawn from.
     """

@@ -27,8 +27,9 @@ import torch
 
 from specstop.decode.drafting import grow_tree
 from specstop.decode.tree_cache import TreeLM
-from specstop.decode.tree_shape import TreeShape
+from specstop.decode.tree_shape import DynamicTreeShape, TreeShape
 from specstop.decode.verify import greedy_walk, sampling_walk
+from specstop.errors import UserError
 from specstop.export.decoder import DecodeResult, _Timer, eos_token_ids
 from specstop.probs import DecodingConfig, logits_to_probs
 
@@ -48,11 +49,19 @@ class TreeDecoder:
         shape: a :class:`~specstop.decode.tree_shape.StaticTreeShape` or ``DynamicTreeShape``
             (:func:`~specstop.decode.tree_shape.parse_tree_policy` builds one from ``mcsd:``/``tree:``).
         decoding: the decoding transform for both models (temperature 0 = greedy).
+        node_head: a :class:`~specstop.decode.node_head.NodeHeadScorer` that decides which nodes a
+            dynamic tree drafts (None: the joint draft probability); verification is unchanged.
     """
 
-    def __init__(self, pair, shape: TreeShape, decoding: DecodingConfig | None = None) -> None:
+    def __init__(self, pair, shape: TreeShape, decoding: DecodingConfig | None = None, node_head=None) -> None:
+        if node_head is not None and not isinstance(shape, DynamicTreeShape):
+            raise UserError(
+                f"a node head steers dynamic trees (tree:N); {shape.label} has a fixed shape - use tree:N "
+                "or drop the node head"
+            )
         self.pair = pair
         self.shape = shape
+        self.node_head = node_head
         self.decoding = decoding or DecodingConfig()
         self.vocab_size = pair.vocab_size
         self.eos = eos_token_ids(pair)
@@ -60,7 +69,7 @@ class TreeDecoder:
 
     @property
     def label(self) -> str:
-        return self.shape.label
+        return self.shape.label + ("+node-head" if self.node_head is not None else "")
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         return logits_to_probs(logits, self.decoding, self.vocab_size)
@@ -149,7 +158,7 @@ class TreeDecoder:
             slot = {0: len(pending) - 1}  # tree node -> draft region slot
             tree, forwards = grow_tree(
                 self.shape, seq[-1], self._probs(root_logits[-1]), self._expander(draft, slot),
-                depth_cap=depth_cap, eos=self.eos, greedy=greedy, gen=gen,
+                depth_cap=depth_cap, eos=self.eos, greedy=greedy, gen=gen, scorer=self.node_head,
             )
             t0 = timer.add("draft", t_round)
 

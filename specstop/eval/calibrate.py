@@ -28,6 +28,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", help="auto (this machine's fastest lossless dtype), float32, bfloat16, float16")
     p.add_argument("--checkpoint", action="append", default=None, metavar="[NAME=]PATH",
                    help="also time this stopping predictor's per-step decision (repeatable)")
+    p.add_argument("--no-pearl-split", action="store_true",
+                   help="skip timing PEARL's core split (each model on its share of the cores, beside the other; "
+                        "the replay then prices PEARL with perfect overlap)")
     p.add_argument("--out", default="cost.json", help="cost model JSON to write (a plot goes beside it)")
     p.add_argument("--no-plot", action="store_true")
     # Kept so older scripts run: --repeats/--max-prompts no longer steer the measurement.
@@ -356,9 +360,31 @@ def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: 
     return out
 
 
+def pearl_split(pair, cost: CostModel, *, context_tokens: int) -> dict | None:
+    """PEARL's costs on this machine's core split (:class:`~specstop.decode.pearl.PearlDecoder`'s
+    default): each model on its share, alone and beside the other; None where PEARL does not split
+    cores (a GPU, or fewer than 2 cores).
+
+    The target is timed on a post-verify pass of gamma + 1 tokens (gamma from the whole-machine
+    table, PEARL's Theorem 1) and set against the same pass in the table: ``target_scale``.
+    """
+    from specstop.decode.pearl_spec import available_cores, split_cores
+    from specstop.decode.pearl_timing import time_split
+    from specstop.decode.pearl_workers import PearlWorkers
+    from specstop.eval.pearl import pearl_gamma
+
+    if pair.target_device.type != "cpu" or len(available_cores()) < 2:
+        return None
+    gamma = pearl_gamma(cost)
+    with PearlWorkers(pair, split_cores(None)) as workers:
+        m = time_split(workers, target_tokens=gamma + 1, context=context_tokens)
+    return {"draft_step": m["draft_beside_target_s"], "target_scale": m["target_beside_draft_s"] / cost.target_cost(gamma),
+            "measured": m}
+
+
 def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
               policies: dict | None = None, name: str = "calibrated", progress: bool = True,
-              check_decoder: bool = True) -> tuple[CostModel, dict]:
+              check_decoder: bool = True, measure_pearl: bool = False) -> tuple[CostModel, dict]:
     """Time ``pair`` at ``context_tokens`` of context, re-measure suspect K once and check the table
     against the decoder; returns the measured :class:`CostModel` (its ``fit`` carries the check) and
     the raw timings (for :func:`calibration_plot`)."""
@@ -376,6 +402,10 @@ def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float 
             log.info("calibrate: the decoder disagreed with the table; checking once more")
             cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
     cost.fit["check"] = {"problems": table_problems(cost), "remeasured": raw.get("remeasured", [])}
+    if measure_pearl:
+        split = pearl_split(pair, cost, context_tokens=context_tokens)
+        if split:
+            cost = replace(cost, pearl_split=split)
     return cost, raw
 
 
@@ -454,7 +484,7 @@ def run(args) -> int:
     for name, path in _named_checkpoints(args.checkpoint).items():
         policies[name] = _policy_from_checkpoint(path)
     cost, raw = calibrate(pair, context=context, context_tokens=n_ctx, budget_s=args.budget, k_grid=k_grid,
-                          policies=policies, name=Path(args.out).name)
+                          policies=policies, name=Path(args.out).name, measure_pearl=not args.no_pearl_split)
     cost.save(args.out)
     if not args.no_plot:
         png = calibration_plot(Path(args.out).with_suffix(".png"), cost, raw)
@@ -465,7 +495,13 @@ def run(args) -> int:
     if check["problems"]:
         log.warning("cost table check FAILED (tune, eval and pipeline refuse it without --force-cost): %s",
                     "; ".join(check["problems"]))
-    else:
+    if cost.pearl_split:
+        m = cost.pearl_split["measured"]
+        log.info("PEARL split (%s): draft step %.3f s alone, %.3f s beside the target; target pass of %d tokens "
+                 "%.3f s alone, %.3f s beside the draft (%.2fx the whole machine's)", m["workers"], m["draft_alone_s"],
+                 m["draft_beside_target_s"], m["target_tokens"], m["target_alone_s"], m["target_beside_draft_s"],
+                 cost.pearl_split["target_scale"])
+    if not check["problems"]:
         agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
         log.info("cost table check passed%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",
                  f"; decoder / table: {agree}" if agree else "")

@@ -62,6 +62,11 @@ class CostModel:
         machine: where and how it was measured (CPU model, device, dtype and why, context length).
         name: preset or file name, for reports.
         fit: calibration details when measured (raw medians, spreads, R^2); informational.
+        pearl_split: PEARL's costs with the machine split between the two models, measured by
+            calibrate-cost: ``{"draft_step": s, "target_scale": x, "measured": {...}}`` - the draft's
+            step on its share while the target runs, and the factor by which a target pass on its
+            share (beside the draft) is slower than the same pass on the whole machine. None: PEARL
+            is priced with perfect overlap on the whole machine (an idealisation, said so).
     """
 
     t_draft: float
@@ -76,6 +81,7 @@ class CostModel:
     machine: dict | None = None
     name: str = "custom"
     fit: dict | None = None
+    pearl_split: dict | None = None
 
     def __post_init__(self) -> None:
         for f in ("t_draft", "t_target", "verify_per_token", "predictor_per_step", "t_target_single"):

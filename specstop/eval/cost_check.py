@@ -104,7 +104,8 @@ def require_usable(cost, *, force: bool = False, flag: str = "--force-cost") -> 
     problems = table_problems(cost)
     if problems and not force:
         raise UserError(
-            f"cost model {cost.name} fails its check: {'; '.join(problems)}. Re-run `specstop calibrate-cost` on an "
-            f"idle machine (or in the faster dtype), or pass {flag} to price with it anyway"
+            f"cost model {cost.name} fails its check: {'; '.join(problems)}. Re-run `specstop calibrate-cost` (a "
+            f"pipeline rerun measures again) on an idle machine, or pass {flag} (pipeline: force_cost: true) to price "
+            "with it anyway"
         )
     return problems

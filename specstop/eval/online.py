@@ -55,6 +55,8 @@ class Run:
         prefill inside it (None when the method cannot separate it). k_hist: rounds per drafted
         length K (ours), rounds: target forwards, phases: per-phase seconds (ours),
         round_seconds: summed wall time of the rounds (ours).
+        priced: the cost model's seconds for this run's rounds, for methods whose rounds are not a
+            chain K histogram (token trees: :func:`tree_method`); None otherwise.
     """
 
     tokens: list[int]
@@ -64,6 +66,7 @@ class Run:
     rounds: int | None = None
     phases: dict | None = None
     round_seconds: float | None = None
+    priced: float | None = None
 
     @property
     def decode_seconds(self) -> float | None:
@@ -117,6 +120,31 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
         )
 
     return Method(name, fn, kind, spec, replay_speedup, same_prompts)
+
+
+def tree_round_seconds(cost, round_nodes: list[int], draft_forwards: int) -> float:
+    """The cost model's price of token-tree rounds: one target pass over each round's N nodes (plus
+    the token before them), t_target(N), and every draft forward - a round's catch-up feed plus its
+    tree expansions - at t_draft. A draft forward over a frontier of several nodes is priced as one
+    token's: the calibrated table has no per-width draft costs, so wide trees are priced low."""
+    tree_rounds = sum(1 for n in round_nodes if n > 0)
+    return float(sum(cost.target_cost(n) for n in round_nodes)) + (tree_rounds + draft_forwards) * cost.t_draft
+
+
+def tree_method(name: str, decoder, *, cost=None, seed: int = 0) -> Method:
+    """A :class:`Method` running a :class:`~specstop.decode.TreeDecoder`; with ``cost`` each run carries
+    the cost model's price of its rounds (:func:`tree_round_seconds`)."""
+
+    def fn(ids: list[int], max_new: int) -> Run:
+        res = decoder.generate(ids, max_new, seed=seed)
+        t = res.timings
+        priced = (None if cost is None
+                  else tree_round_seconds(cost, res.round_lengths, int(res.counters["draft_forwards"])))
+        return Run(tokens=list(res.token_ids), seconds=t["total"], prefill=t["prefill"],
+                   rounds=len(res.round_lengths), phases={k: v for k, v in t.items() if isinstance(v, float)},
+                   round_seconds=float(sum(t["round_seconds"])), priced=priced)
+
+    return Method(name, fn)
 
 
 def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=None, target=None) -> Run:
@@ -312,15 +340,24 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
                     n_tok = [sum(len(r.tokens) for r in rs) for rs in runs]
                     pred = [c.target_only_per_token / float(c.latency_from_hist(h, n)) for n, h in zip(n_tok, hists)]
                     row["predicted_decode_speedup"] = float(np.median(pred))
+        elif runs[0][0].priced is not None and cost is not None:  # token trees: priced per run
+            row["rounds"] = sum(r.rounds for rs in runs for r in rs)
+            row["tokens_per_round"] = sum(len(r.tokens) for rs in runs for r in rs) / max(row["rounds"], 1)
+            row["round_seconds"] = float(np.median([r.round_seconds / max(r.rounds, 1) for rs in runs for r in rs]))
+            row["predicted_round_seconds"] = float(np.median([r.priced / max(r.rounds, 1) for rs in runs for r in rs]))
+            row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0
+            row["predicted_decode_speedup"] = float(np.median(
+                [cost.target_only_per_token * sum(len(r.tokens) for r in rs) / sum(r.priced for r in rs) for rs in runs]))
         if m.replay_speedup is not None:
             row["replay_speedup"] = m.replay_speedup
         if m.same_prompts is not None:
             from specstop.eval.same_prompts import trim
 
             row["replay_same_prompts"] = m.same_prompts.speedup
-            # Greedy + lossless: the decoder's rounds on a prompt are the replay's, K for K.
-            row["rounds_as_replayed"] = sum(
-                trim(rs[0].k_hist or [0]) == h for rs, h in zip(runs, m.same_prompts.k_hists))
+            if m.same_prompts.k_hists is not None:
+                # Greedy + lossless: the decoder's rounds on a prompt are the replay's, K for K.
+                row["rounds_as_replayed"] = sum(
+                    trim(rs[0].k_hist or [0]) == h for rs, h in zip(runs, m.same_prompts.k_hists))
         meas_dec = (row.get("decode_speedup") or (None,))[0]
         flags = []
         # The whole-split replay is another workload (more prompts, a longer budget): it is shown, but

@@ -3,9 +3,9 @@
 The online check decodes every method on every prompt, with repeats. At a fixed size it took 6 min
 on a 2-core AMX Xeon in bf16 and was on course for 40 min on a 2-core AMD EPYC where ``dtype: auto``
 had picked float32: the same config, 7x apart. Sizing it from the cost model makes it fit on any
-CPU: each run is priced as its prefill plus ``max_new_tokens`` target-only steps (an upper bound
-for a speculative method, which the check exists to show is faster), and prompts are dropped, then
-tokens, until the estimate fits. What was chosen is said in one line.
+CPU: each run is priced as its prefill plus ``max_new_tokens`` target-only steps divided by the
+method's expected speedup (the replay's, where the eval report has one; 1 otherwise, an upper bound),
+and prompts are dropped, then tokens, until the estimate fits. What was chosen is said in one line.
 """
 
 from __future__ import annotations
@@ -44,21 +44,25 @@ class OnlineSize:
         return head + f"; sized to its {self.budget_s:.0f} s budget)"
 
 
-def run_seconds(cost, prompt_len: int, max_new_tokens: int) -> float:
-    """Upper estimate of one decoding run: the prompt's prefill in 17-token blocks priced as
-    t_target(16), then ``max_new_tokens`` target-only steps."""
+def run_seconds(cost, prompt_len: int, max_new_tokens: int, speedup: float = 1.0) -> float:
+    """Estimate of one decoding run: the prompt's prefill (priced as t_target(16) per 17 tokens,
+    which a single prefill forward does not exceed), then ``max_new_tokens`` target-only steps
+    divided by the method's expected ``speedup``."""
     blocks = -(-max(prompt_len - 1, 0) // 17)
-    return blocks * cost.target_cost(16) + max_new_tokens * cost.target_cost(0)
+    return blocks * cost.target_cost(16) + max_new_tokens * cost.target_cost(0) / max(speedup, 1.0)
 
 
-def estimate(cost, prompt_lens: list[int], max_new_tokens: int, repeats: int, methods: int) -> float:
-    """Seconds for every method on every prompt, ``repeats`` times (plus one greedy-check pass of
-    the target per prompt)."""
-    per_prompt = [run_seconds(cost, n, max_new_tokens) for n in prompt_lens]
-    return sum(per_prompt) * (repeats * methods + 1)
+def estimate(cost, prompt_lens: list[int], max_new_tokens: int, repeats: int, speedups: list[float]) -> float:
+    """Seconds for every method (one expected speedup each; the target alone is 1) on every prompt,
+    ``repeats`` times, plus one greedy-check pass of the target per prompt."""
+    total = 0.0
+    for n in prompt_lens:
+        target = run_seconds(cost, n, max_new_tokens)
+        total += target + repeats * sum(run_seconds(cost, n, max_new_tokens, s) for s in speedups)
+    return total
 
 
-def size_online_check(cost, prompt_lens: list[int], *, max_new_tokens: int, repeats: int, methods: int,
+def size_online_check(cost, prompt_lens: list[int], *, max_new_tokens: int, repeats: int, speedups: list[float],
                       budget_s: float | None) -> OnlineSize:
     """The largest check within ``budget_s``: all prompts and tokens if they fit, else fewer prompts
     (down to :data:`MIN_PROMPTS`), then fewer tokens (down to :data:`MIN_TOKENS`).
@@ -66,12 +70,18 @@ def size_online_check(cost, prompt_lens: list[int], *, max_new_tokens: int, repe
     Args:
         cost: the :class:`~specstop.eval.cost.CostModel` decoding is priced with.
         prompt_lens: token lengths of the candidate prompts, in the order they would be used.
+        speedups: each method's expected speedup over the target alone (1.0 where unknown; the
+            target alone itself is one of the methods).
         budget_s: seconds for the whole check; None keeps the requested size (and still estimates it).
     """
     n, tokens = len(prompt_lens), max_new_tokens
+
+    def est(k: int, t: int) -> float:
+        return estimate(cost, prompt_lens[:k], t, repeats, speedups)
+
     if budget_s is not None:
-        while n > MIN_PROMPTS and estimate(cost, prompt_lens[:n], tokens, repeats, methods) > budget_s:
+        while n > MIN_PROMPTS and est(n, tokens) > budget_s:
             n -= 1
-        while tokens > MIN_TOKENS and estimate(cost, prompt_lens[:n], tokens, repeats, methods) > budget_s:
+        while tokens > MIN_TOKENS and est(n, tokens) > budget_s:
             tokens = max(MIN_TOKENS, tokens * 3 // 4)
-    return OnlineSize(n, tokens, repeats, methods, estimate(cost, prompt_lens[:n], tokens, repeats, methods), budget_s)
+    return OnlineSize(n, tokens, repeats, len(speedups), est(n, tokens), budget_s)

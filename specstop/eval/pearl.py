@@ -20,8 +20,12 @@ acceptance (greedy_match along the response); tokens after a mismatch are droppe
 rollouts are not needed. Caps as in design.md: blocks never exceed remaining - 1 tokens (or the
 recorded response when it ends with EOS); a block of 0 is a plain target step.
 
-This is a timing model, not a measurement: real PEARL needs two devices (or processes) and pays
-synchronisation costs this model ignores. It assumes perfect overlap, hence it is optimistic.
+This is a timing model, not a measurement. With a cost model calibrated with the split
+(``CostModel.pearl_split``: ``specstop calibrate-cost`` times each model on its share of the cores,
+beside the other, as :class:`~specstop.decode.pearl.PearlDecoder` runs them) the draft step and the
+target passes are priced as measured there; without one, both models are priced at their whole-machine
+speed, i.e. perfect overlap with no contention, which is optimistic wherever the two share a machine.
+Synchronisation between the two workers is not priced either way.
 """
 
 from __future__ import annotations
@@ -55,13 +59,15 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
     run = match_runs(data)
     total_time = 0.0
     phases = drafted = accepted = emitted_all = 0
-    td = cost.draft_step + cost.predictor_per_step * 0  # PEARL has no stopping predictor
+    split = cost.pearl_split
+    td = split["draft_step"] if split else cost.draft_step  # PEARL has no stopping predictor
+    scale = split["target_scale"] if split else 1.0
 
     t_by_k = cost.target_costs(max(g0, 1))
 
     def tt(n: int) -> float:
-        """One target pass over n tokens (K = n - 1 in the cost model's table)."""
-        return float(t_by_k[n - 1]) if n - 1 < len(t_by_k) else cost.target_cost(n - 1)
+        """One target pass over n tokens (K = n - 1 in the cost model's table), on its share."""
+        return scale * (float(t_by_k[n - 1]) if n - 1 < len(t_by_k) else cost.target_cost(n - 1))
 
     for p in range(data.num_prompts):
         o, n_tok = int(data.offsets[p]), int(data.offsets[p + 1] - data.offsets[p])
@@ -135,5 +141,7 @@ def pearl_replay(data: ReplayData, cost: CostModel, gamma: int | None = None) ->
         "latency_per_token": lat,
         "speedup": cost.target_only_per_token / lat,
         "gamma": g0,
-        "model": "PEARL timing model (parallel draft/target, pre-/post-verify), see specstop/eval/pearl.py",
+        "model": "PEARL timing model (parallel draft/target, pre-/post-verify), see specstop/eval/pearl.py; "
+        + ("priced with the measured core split (each model on its share, beside the other)" if split
+           else "idealised: both models at whole-machine speed, perfect overlap"),
     }

@@ -169,7 +169,8 @@ def build_report(
                 f"no tuned {fam} predictor in the tuned-policy file (train one and pass --checkpoint to specstop tune)"
             )
     rows["pearl"] = {
-        "label": "PEARL (two-device timing model: draft and target in parallel)",
+        "label": ("PEARL (timing model, measured core split)" if cost.pearl_split
+                  else "PEARL (timing model: draft and target in parallel, idealised overlap)"),
         "spec": {"kind": "pearl"},
         **pearl_replay(data, cost),
     }

@@ -32,13 +32,14 @@ class SamePromptsReplay:
 
     Attributes:
         speedup: median over prompts of ``t_target(0) * N_p / cost(K histogram of prompt p)``.
-        k_hists: per prompt, the replayed rounds as a K histogram (trailing zeros trimmed).
+        k_hists: per prompt, the replayed rounds as a K histogram (trailing zeros trimmed); None for
+            schemes whose rounds are not chain rounds (PEARL's phases).
         tokens: per prompt, emitted tokens.
         per_prompt: per prompt, the predicted speedup (what ``speedup`` is the median of).
     """
 
     speedup: float
-    k_hists: list[list[int]]
+    k_hists: list[list[int]] | None
     tokens: list[int]
     per_prompt: list[float]
 
@@ -116,3 +117,18 @@ def replay_policies(data_dir: str | Path, split: str, prompt_ids: list[str], max
         specs[name] = spec
     data = load_for_prompts(data_dir, split, prompt_ids, max_new_tokens, predictors)
     return {name: replay_same_prompts(data, spec, cost) for name, spec in specs.items()}
+
+
+def pearl_same_prompts(data_dir: str | Path, split: str, prompt_ids: list[str], max_new_tokens: int,
+                       cost: CostModel, gamma: int | None = None) -> SamePromptsReplay:
+    """PEARL's timing model (:func:`specstop.eval.pearl.pearl_replay`, priced with the cost model's
+    measured core split when it has one) on exactly the online check's prompts and budget."""
+    from specstop.eval.pearl import pearl_replay
+
+    data = load_for_prompts(data_dir, split, prompt_ids, max_new_tokens)
+    ratios, toks = [], []
+    for p in range(data.num_prompts):
+        m = pearl_replay(data.subset(np.array([p])), cost, gamma)
+        ratios.append(float(m["speedup"]))
+        toks.append(int(m["n"]))
+    return SamePromptsReplay(float(statistics.median(ratios)), None, toks, ratios)

@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "parallel: pearl (window round(t_target / t_draft)) | pearl:GAMMA",
     )
     parser.add_argument(
+        "--node-head", default=None, metavar="CKPT",
+        help="tree:N only: grow the tree by this tree_node_mlp checkpoint's predicted path acceptance "
+        "instead of the joint draft probability (still lossless)",
+    )
+    parser.add_argument(
         "--cost-model", default=None,
         help="pearl: take the window from this cost model (preset or cost.json from calibrate-cost); "
         "default: a quick measurement on the workers' cores",
@@ -76,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     check_range("--max-new-tokens", args.max_new_tokens, low=1)
     shape = parse_tree_policy(args.policy)  # before loading models: a malformed spec fails at once
     pearl = _pearl_options(args)
+    node_head = _node_head(args, shape)
     if (shape is not None or pearl is not None) and (args.static_cache or args.compile):
         flag = "--compile" if args.compile else "--static-cache"
         kind = "tree" if shape is not None else "parallel"
@@ -90,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if pearl is not None:
         decoder = _pearl_decoder(pair, decoding, *pearl)
     elif shape is not None:
-        decoder = TreeDecoder(pair, shape, decoding)
+        if node_head is not None:
+            node_head.check_pair(pair)
+        decoder = TreeDecoder(pair, shape, decoding, node_head=node_head)
     else:
         policy = StoppingPolicy.load(
             args.policy,
@@ -125,6 +133,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _node_head(args: argparse.Namespace, shape):
+    """The ``--node-head`` scorer (None without the flag); refused in one line for other policies."""
+    if getattr(args, "node_head", None) is None:
+        return None
+    from specstop.decode.tree_shape import DynamicTreeShape
+
+    if not isinstance(shape, DynamicTreeShape):
+        raise UserError(f"--node-head steers dynamic trees; use --policy tree:N (got {args.policy!r}) or drop --node-head")
+    from specstop.decode.node_head import load_node_head
+
+    return load_node_head(args.node_head)
 
 
 def _pearl_options(args: argparse.Namespace):

@@ -31,7 +31,7 @@ def register_predictor(name: str):
 
 def _ensure_builtin() -> None:
     # Importing the family modules runs their @register_predictor decorators.
-    from specstop.models import disco, mcsd, specdecpp  # noqa: F401
+    from specstop.models import disco, mcsd, specdecpp, tree_node  # noqa: F401
 
 
 def predictor_names() -> list[str]:
