@@ -7,7 +7,11 @@ Oracle slower than Static SL-opt. Three checks catch such a table:
 
 * **spread**: the interquartile range of each K's samples, relative to its median, stays within
   :data:`SPREAD_LIMIT` (calibration re-measures the K that fail before it gives up);
-* **order**: t_target(K) does not fall as K grows, beyond :data:`DROP_TOLERANCE` of noise;
+* **order**: t_target(K) does not fall as K grows, beyond :data:`DROP_TOLERANCE` of noise - unless a
+  re-measure reproduced it. Kernels do have such shapes: on a 2-core AMD EPYC (Zen 4) a one-row bf16
+  GEMM costs more than a three-row one (2.2 vs 1.8 ms for the 1.5B target's MLP), and float32 sgemm
+  costs 2x and 3x one row at two and three rows, then less at four (``benchmarks/float32_gemm.py``).
+  A shape that reproduces is the machine's and is priced as measured; one that does not is noise;
 * **decoder agreement**: the rounds the real decoder runs cost what the table says, within
   :data:`DECODER_TOLERANCE` (calibrate-cost decodes a few tokens after timing the table).
 
@@ -90,7 +94,8 @@ def table_problems(cost) -> list[str]:
     for k, (q1, q3) in sorted((int(k), v) for k, v in (fit.get("target_iqr_by_k") or {}).items()):
         if k in cost.target_by_k:
             problems += [msg for _, msg in _spread(k, q1, cost.target_by_k[k], q3, SPREAD_LIMIT)]
-    problems += [msg for _, msg in order_problems(cost.target_by_k)]
+    reproduced = set((fit.get("check") or {}).get("reproduced") or [])
+    problems += [msg for ks, msg in order_problems(cost.target_by_k) if not set(ks) <= reproduced]
     problems += decoder_problems(fit.get("decoder_check"))
     return problems
 
