@@ -55,3 +55,17 @@ def test_greedy_next_token_agreement(pair):
     agreement = (q.argmax(-1) == p.argmax(-1)).float().mean().item()
     print(f"greedy next-token agreement over 16 positions: {agreement:.2f}")
     assert agreement > 0.5
+
+
+@pytest.mark.parametrize("spec", ["mcsd:4,2,2,1", "tree:16"])
+def test_token_trees_are_lossless_on_the_reference_pair(pair, spec):
+    # float32: verification blocks and single steps agree exactly, so any difference is a bug.
+    from specstop.decode import TreeDecoder, parse_tree_policy
+    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.export.runtime import StoppingPolicy
+
+    prompt = pair.tokenizer(SNIPPET.split("def factorial")[0] + "def factorial(n):\n")["input_ids"]
+    target = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1")).generate(prompt, 24, max_draft=0)
+    tree = TreeDecoder(pair, parse_tree_policy(spec), DecodingConfig()).generate(prompt, 24)
+    assert tree.token_ids == target.token_ids
+    assert tree.counters["N_target"] < target.counters["N_target"]  # several tokens per target pass

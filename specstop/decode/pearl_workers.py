@@ -239,9 +239,9 @@ def _save_portable(model, path: Path) -> bool:
     The routing binds methods to instances, which pickle cannot restore: it is switched off for the
     save, back on right after, and re-applied by the worker.
     """
-    from specstop.pair.fast_paths import _MV_FLAG, route_single_rows
+    from specstop.pair.fast_paths import route_single_rows, routes_single_rows
 
-    use_mv = any(getattr(m, _MV_FLAG, False) for m in model.modules())
+    use_mv = routes_single_rows(model)
     if use_mv:
         route_single_rows(model, use_mv=False)
     try:

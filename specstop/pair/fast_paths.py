@@ -145,6 +145,11 @@ def record_single_row_choice(dtype: torch.dtype, use_mv: bool, reason: str) -> N
     log.info(reason)
 
 
+def routes_single_rows(model) -> bool:
+    """Does any linear of ``model`` take the ``torch.mv`` route for one-row inputs now?"""
+    return any(getattr(m, _MV_FLAG, False) for m in model.modules())
+
+
 def route_single_rows(model, *, use_mv: bool) -> None:
     """Switch every bf16/fp16 CPU ``nn.Linear`` of ``model`` to ``torch.mv`` for one-row inputs
     (``use_mv``) or back to the stock ``F.linear``, whatever any check says (timing both routes)."""
