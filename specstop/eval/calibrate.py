@@ -37,7 +37,13 @@ import torch
 
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
-from specstop.eval.cost_check import decoder_problems, order_problems, spread_problems, table_problems
+from specstop.eval.cost_check import (
+    decoder_problems,
+    order_problems,
+    spread_problems,
+    table_problems,
+    table_warnings,
+)
 from specstop.pair.compat import cache_kwarg
 
 log = logging.getLogger("specstop")
@@ -418,6 +424,7 @@ def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float 
             cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
     cost.fit["check"] = {"remeasured": raw.get("remeasured", []), "reproduced": raw.get("reproduced", [])}
     cost.fit["check"]["problems"] = table_problems(cost)
+    cost.fit["check"]["warnings"] = table_warnings(cost)
     if measure_pearl:
         split = pearl_split(pair, cost, context_tokens=context_tokens)
         if split:
@@ -508,6 +515,8 @@ def run(args) -> int:
     t = cost.target_by_k
     log.info("%s", cost.provenance_line())
     check = cost.fit["check"]
+    if check["warnings"]:
+        log.warning("cost table: samples still spread after a re-measure (medians kept): %s", "; ".join(check["warnings"]))
     if check["problems"]:
         log.warning("cost table check FAILED (tune, eval and pipeline refuse it without --force-cost): %s",
                     "; ".join(check["problems"]))
