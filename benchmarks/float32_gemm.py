@@ -32,7 +32,7 @@ import torch
 
 
 def cpu_line() -> str:
-    from specstop.pair.dtype_choice import cpu_flags, cpu_model_name
+    from specstop.pair.hardware import cpu_flags, cpu_model_name
 
     keep = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     return f"{cpu_model_name()} ({', '.join(sorted(f for f in cpu_flags() if f in keep))}), torch {torch.__version__}"

@@ -15,6 +15,9 @@ Methods (greedy):
                         processes on split cores; gamma from --cost when given, else measured); with --data and
                         --cost, PEARL's timing model on the same prompts (priced with the cost file's measured
                         core split when calibrate-cost recorded one) is its prediction
+    ours pearl[:G]+<stop> --pearl-stop POLICY (repeatable): each PEARL policy again, its windows ended early by
+                        POLICY (confidence:T, static:K, an export folder, or tuned:NAME for a rule of --tuned,
+                        e.g. tuned:confidence_opt), on the same workers and window as plain PEARL (no prediction)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
@@ -108,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=8, help="prompts to use (default 8)")
     ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
     ap.add_argument("--tuned", help="tuned.json (for --policy tuned:NAME)")
+    ap.add_argument("--pearl-stop", action="append", default=None, metavar="POLICY",
+                    help="also run each --policy pearl[:G] with its windows ended early by this stopping policy "
+                    "(confidence:T, static:K, an export folder or tuned:NAME; repeatable)")
     ap.add_argument("--hf-default", action="store_true", help="HF assisted generation with its defaults")
     ap.add_argument("--hf-heuristic", action="store_true", help="HF assisted generation, heuristic schedule")
     ap.add_argument("--hf-target", action="store_true", help="also time the target alone through HF generate")
@@ -139,7 +145,9 @@ def main(argv=None) -> int:
     from specstop.decode.node_head import load_node_head
     from specstop.decode.pearl import PearlDecoder
     from specstop.decode.pearl_spec import PearlSpec
+    from specstop.decode.pearl_workers import PearlWorkers
     from specstop.decode.tree_shape import DynamicTreeShape
+    from specstop.errors import UserError
     from specstop.eval import online
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.decoder import SpeculativeDecoder
@@ -177,24 +185,49 @@ def main(argv=None) -> int:
     reference = next((f"ours {name}" for text, name, _ in loaded if text == ref_text), None)
     if ref_text and reference is None:
         raise SystemExit(f"--reference {ref_text} is not one of the --policy values")
+    pearl_stops = [(text, *load_policy(text, pair, tuned)) for text in args.pearl_stop or []]
+    for text, _, pol in pearl_stops:
+        if not isinstance(pol, StoppingPolicy):
+            raise SystemExit(f"--pearl-stop {text}: give a stopping policy (confidence:T, static:K, an export folder "
+                             "or tuned:NAME), not a tree or PEARL policy")
+    if pearl_stops and not any(isinstance(pol, PearlSpec) for _, _, pol in loaded):
+        raise SystemExit("--pearl-stop ends PEARL's windows early: add --policy pearl or --policy pearl:G")
     pearls = []
+    pearl_pool = None  # one pair of workers for every PEARL method (one copy of the weights in /dev/shm)
     for text, name, pol in loaded:
         if isinstance(pol, PearlSpec):
             if pol.gamma is None and cost is not None:
                 from specstop.eval.pearl import pearl_gamma
 
                 pol = pol.with_gamma(pearl_gamma(cost))
-            pearls.append(PearlDecoder(pair, pol, DecodingConfig()).start())
-            print(f"{name}: {pearls[-1].gamma_source if pol.gamma is None else f'gamma={pol.gamma}'}, "
-                  f"workers {pearls[-1].workers.describe()}")
-            fn = online.decoder_method(f"ours {name}", pearls[-1]).fn  # PEARL's phases are no chain K histogram
-            pred = None
-            if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
-                from specstop.eval.same_prompts import pearl_same_prompts
+            pearl_pool = pearl_pool or PearlWorkers(pair)
+            plain = None  # plain PEARL runs first: it settles the window its stop variants share
+            for stop_text, stop_name, stop_pol in [(None, None, None), *pearl_stops]:
+                label = name if stop_text is None else f"{name}+{stop_name}"
+                if stop_text is None:
+                    spec = pol
+                else:  # a folder or rule text crosses to the draft's worker as is, a tuned rule as its spec
+                    tuned_rule = stop_text.startswith("tuned:") and not Path(stop_text).is_dir()
+                    spec = plain.spec.with_stop(stop_pol.spec if tuned_rule else stop_text)
+                try:
+                    dec = PearlDecoder(pair, spec, DecodingConfig(), workers=pearl_pool)
+                except UserError as err:  # e.g. a heuristic schedule, which PEARL's windows cannot drive
+                    raise SystemExit(f"--pearl-stop {stop_text}: {err}") from None
+                pearls.append(dec.start())
+                plain = plain or dec
+                measured = pol.gamma is None and stop_text is None
+                print(f"{label}: {dec.gamma_source if measured else f'gamma={dec.spec.gamma}'}, "
+                      f"workers {dec.workers.describe()}")
+                fn = online.decoder_method(f"ours {label}", dec).fn  # PEARL's phases are no chain K histogram
+                pred = None
+                if (stop_text is None and names is not None and cost is not None
+                        and applies(read_manifest(args.data)["generation"], max_new)):
+                    from specstop.eval.same_prompts import pearl_same_prompts
 
-                pred = pearl_same_prompts(args.data, args.split, names, max_new, cost, pearls[-1].spec.gamma)
-            methods.append(online.Method(f"ours {name}", lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None),
-                                         same_prompts=pred))
+                    pred = pearl_same_prompts(args.data, args.split, names, max_new, cost, dec.spec.gamma)
+                methods.append(online.Method(f"ours {label}",
+                                             lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None),
+                                             same_prompts=pred))
             continue
         if not isinstance(pol, StoppingPolicy):  # a token tree, priced round by round (no K histogram)
             methods.append(online.tree_method(f"ours {name}", TreeDecoder(pair, pol, DecodingConfig()), cost=cost))
@@ -232,6 +265,8 @@ def main(argv=None) -> int:
     finally:
         for dec in pearls:
             dec.close()
+        if pearl_pool is not None:
+            pearl_pool.close()
     flips = online.greedy_flips(pair, prompts, meas, "target")
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference)
     print()

@@ -24,7 +24,7 @@ fi
 if ! python -c "import specstop, transformers, lightning, datasets, pytest" >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$VENV/.specstop-installed" ]; then
   echo "[setup] installing specstop and its dependencies"
-  python -m pip install -q -e ".[dev]"
+  python -m pip install -q -e ".[dev]"  # dev = every extra + pytest, ruff
   touch "$VENV/.specstop-installed"
 fi
 echo "[setup] ready: $VENV ($(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -112,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
         # our constructors) is the user's to fix; anything else is a bug and keeps its traceback. A
         # full disk or a read-only output met while writing is the machine's state, not a bug.
+        from specstop.extras import missing_extra_message
+
         user = find_user_error(err)
-        message = one_line(user) if user is not None else _write_failure(err)
+        message = one_line(user) if user is not None else (
+            missing_extra_message(err, f"specstop {name}") or _write_failure(err))
         if message is None or _debug(verbose):
             raise
         print(f"specstop {name}: error: {cap(message)} (SPECSTOP_DEBUG=1 shows a traceback)", file=sys.stderr)

@@ -1,8 +1,8 @@
-"""Shared fixtures.
+"""Fixtures every test file may use, and the one way to import test helpers.
 
-NOTE (train session): this file was accidentally overwritten while the train tests were added;
-``tiny_pair_dir``, ``tmp_cache`` and ``shared_dataset`` are reconstructed from how the tests use
-them - owners, please check them against your originals.
+Tiny models come from :mod:`specstop.testing` (also used by the benchmarks' smoke runs); builders
+shared by several test files live in ``tests/_*.py`` and are imported by their bare module name
+(``from _export_fixtures import ...``), which works under ``pytest`` and ``python -m pytest`` alike.
 """
 
 from __future__ import annotations

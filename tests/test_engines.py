@@ -8,7 +8,8 @@ import shlex
 import pytest
 
 from specstop.cli import main
-from specstop.export.engines import engine_settings, llamacpp_flags
+from specstop.errors import UserError
+from specstop.export.engines import ENGINES, engine_settings, llamacpp_flags, validate_engine_file
 from specstop.policy import PolicySpec
 
 COST = {"t_draft": 0.01, "t_target": 0.03, "verify_per_token": 0.0, "predictor_per_step": 0.0, "kind": "specdecpp"}
@@ -38,12 +39,16 @@ def _tuned(tmp_path) -> dict:
 def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
     tuned = _tuned(tmp_path)
     hf = engine_settings(tuned, "hf", draft="d", target="t")
-    assert hf["options"]["static_opt"]["generate_kwargs"] == {
+    # Set on the draft's generation_config (transformers 5 ignores them as generate() kwargs).
+    assert "generate_kwargs" not in hf["options"]["static_opt"]
+    assert hf["options"]["static_opt"]["assistant_generation_config"] == {
         "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-    assert hf["options"]["heuristic_opt"]["generate_kwargs"]["num_assistant_tokens_schedule"] == "heuristic"
+    heur = hf["options"]["heuristic_opt"]["assistant_generation_config"]
+    assert heur["num_assistant_tokens_schedule"] == "heuristic_transient"  # restarts per call, as the replay does
     conf = hf["options"]["confidence_opt"]
-    assert conf["generate_kwargs"] == {"num_assistant_tokens": 12, "num_assistant_tokens_schedule": "constant",
-                                       "assistant_confidence_threshold": 0.62}
+    assert conf["assistant_generation_config"] == {"num_assistant_tokens": 12, "num_assistant_tokens_schedule": "constant",
+                                                   "assistant_confidence_threshold": 0.62}
+    assert "generation_config" in hf["note_hf"] and "generate_with_settings" in conf["usage"]
     assert hf["recommended"] == "confidence_opt" and conf["predicted"]["speedup"] == 1.55
     assert hf["cost_model"] == COST  # the calibration the prediction assumes
 
@@ -65,6 +70,12 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
     flags = sg["options"]["static_opt"]["flags"]
     assert flags[flags.index("--speculative-num-steps") + 1] == "4"
     assert flags[flags.index("--speculative-num-draft-tokens") + 1] == "5"
+
+    trt = engine_settings(tuned, "trtllm", draft="d", target="t")
+    assert trt["options"]["static_opt"]["llm_api_options"]["speculative_config"] == {
+        "decoding_type": "Draft_Target", "max_draft_len": 4, "speculative_model": "d"}
+    for engine in ENGINES:
+        validate_engine_file(engine, json.loads(json.dumps(engine_settings(tuned, engine, draft="d", target="t"))))
 
 
 def test_llamacpp_static_policy_disables_p_min():
@@ -111,3 +122,128 @@ def test_export_for_engines_cli(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(out), "--for", "trt"])
     assert "unknown engine(s) ['trt']" in capsys.readouterr().err
+
+
+SCHEDULE = {
+    "format": 1,
+    "cost_model": "batched-cost-v1",
+    "entries": [
+        {"batch_size": 1, "k": 4, "predicted_speedup": 1.42, "predicted_speedup_by_k": {"0": 1.0, "2": 1.33, "4": 1.42},
+         "threshold": {"threshold": 0.55, "sl_max": 8, "predicted_speedup": 1.47}},
+        {"batch_size": 4, "k": 6, "predicted_speedup": 1.25, "predicted_speedup_by_k": {"0": 1.0, "4": 1.21, "6": 1.25},
+         "threshold": None},
+        {"batch_size": 16, "k": 2, "predicted_speedup": 1.08, "predicted_speedup_by_k": {"0": 1.0, "2": 1.08},
+         "threshold": None},
+        {"batch_size": 64, "k": 0, "predicted_speedup": 1.0, "predicted_speedup_by_k": {"0": 1.0}, "threshold": None},
+    ],
+}
+
+
+def _scheduled(tmp_path) -> dict:
+    tuned = _tuned(tmp_path)
+    tuned["batch_schedule"] = json.loads(json.dumps(SCHEDULE))
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
+    return tuned
+
+
+def test_batch_schedule_in_each_engines_format(tmp_path):
+    tuned = _scheduled(tmp_path)
+
+    trt = engine_settings(tuned, "trtllm", draft="d", target="t")["batch_schedule"]
+    conf = trt["llm_api_options"]["speculative_config"]
+    # TensorRT-LLM: schedule[smallest key] == max_draft_len and every length <= it, so K 6 at batch 4 is capped at 4
+    assert conf["max_draft_len"] == 4 and conf["draft_len_schedule"] == {"1": 4, "4": 4, "16": 2, "64": 0}
+    row4 = trt["by_batch_size"][1]
+    assert row4 == {"batch_size": 4, "k": 4, "predicted_speedup": 1.21, "tuned_k": 6}  # the capped K's own prediction
+    assert any("lowered" in n for n in trt["notes"]) and trt["cost_model"] == "batched-cost-v1"
+
+    vllm = engine_settings(tuned, "vllm", draft="d", target="t")["batch_schedule"]
+    assert vllm["speculative_config"]["num_speculative_tokens"] == 6  # the startup maximum
+    assert vllm["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 3, 4], [4, 15, 6], [16, 63, 2], [64, 64, 0]]
+    assert [r["predicted_speedup"] for r in vllm["by_batch_size"]] == [1.42, 1.25, 1.08, 1.0]
+
+    sg = engine_settings(tuned, "sglang", draft="d", target="t")["batch_schedule"]
+    assert sg["adaptive_config"] == {"1": {"candidate_steps": [4]}, "4": {"candidate_steps": [6]},
+                                     "16": {"candidate_steps": [2]}, "64": {"candidate_steps": [0]}}
+    flags = sg["flags"]
+    assert "--speculative-adaptive" in flags and flags[flags.index("--speculative-num-steps") + 1] == "4"
+
+    lc = engine_settings(tuned, "llamacpp", draft="d.gguf", target="t.gguf")["batch_schedule"]["by_batch_size"]
+    assert lc[0]["flags"][-2:] == ["--spec-draft-p-min", "0.55"] and lc[0]["predicted_speedup"] == 1.47
+    assert "--parallel" in shlex.split(lc[1]["command"]) and lc[1]["k"] == 6
+    assert lc[3]["flags"] == [] and "-md" not in lc[3]["command"]  # K = 0: no draft model at that batch size
+
+    assert "batch_schedule" not in engine_settings(tuned, "hf", draft="d", target="t")  # HF assisted generation: batch 1
+    for engine in ENGINES:
+        validate_engine_file(engine, json.loads(json.dumps(engine_settings(tuned, engine, draft="d", target="t"))))
+
+
+def test_export_writes_schedule_side_files(tmp_path, capsys):
+    import yaml
+
+    _scheduled(tmp_path)
+    out = tmp_path / "engines"
+    assert main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(out), "--for", "trtllm,sglang,vllm",
+                 "--draft-name", "d", "--target-name", "t"]) == 0
+    opts = yaml.safe_load((out / "trtllm_batch_schedule.yaml").read_text())
+    assert opts["speculative_config"]["draft_len_schedule"] == {1: 4, 4: 4, 16: 2, 64: 0}  # integer keys
+    assert yaml.safe_load((out / "trtllm_static_opt.yaml").read_text())["speculative_config"]["max_draft_len"] == 4
+    assert json.loads((out / "sglang_adaptive.json").read_text())["16"] == {"candidate_steps": [2]}
+    text = capsys.readouterr().out
+    assert "batch schedule [B1: K=4 1.42x, B4: K=6 1.25x" in text
+
+
+@pytest.mark.parametrize("engine, edit, message", [
+    ("trtllm", lambda d: d["batch_schedule"]["llm_api_options"]["speculative_config"]["draft_len_schedule"].update(
+        {"1": 3}), "must equal max_draft_len"),
+    ("trtllm", lambda d: d["options"]["static_opt"]["llm_api_options"]["speculative_config"].update(
+        {"max_draft_len": 0}), "max_draft_len must be an integer > 0"),
+    ("vllm", lambda d: d["batch_schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"].__setitem__(
+        0, [2, 3, 4]), "must start at 1"),
+    ("vllm", lambda d: d["batch_schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"].__setitem__(
+        1, [3, 15, 6]), "non-overlapping"),
+    ("vllm", lambda d: d["batch_schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"].__setitem__(
+        1, [4, 15, 9]), "clamps"),
+    ("sglang", lambda d: d["batch_schedule"]["adaptive_config"].update({"4": {"candidate_steps": []}}),
+     "non-empty list"),
+    ("sglang", lambda d: d["batch_schedule"]["adaptive_config"].pop("1"), "ascend from 1"),
+    ("llamacpp", lambda d: d["batch_schedule"]["by_batch_size"].reverse(), "ascending"),
+    ("llamacpp", lambda d: d["options"]["confidence_opt"]["flags"].__setitem__(-1, "1.5"), "p-min in"),
+    ("hf", lambda d: d["options"]["static_opt"]["assistant_generation_config"].update(
+        {"num_assistant_tokens_schedule": "adaptive"}), "num_assistant_tokens_schedule must be one of"),
+    ("hf", lambda d: d["options"]["static_opt"]["assistant_generation_config"].update(
+        {"num_assistant_tokens": 0}), "num_assistant_tokens must be an integer >= 1"),
+])
+def test_validate_engine_file_refuses_what_the_engine_refuses(tmp_path, engine, edit, message):
+    data = json.loads(json.dumps(engine_settings(_scheduled(tmp_path), engine, draft="d", target="t")))
+    validate_engine_file(engine, data)
+    edit(data)
+    with pytest.raises(UserError, match=message) as err:
+        validate_engine_file(engine, data)
+    assert "\n" not in str(err.value) and "re-export" in str(err.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.update(format=2), "format 2"),
+    (lambda s: s["entries"][1].update(batch_size=1), "must ascend"),
+    (lambda s: s["entries"][1].update(k=-1), "not an integer >= 0"),
+    (lambda s: s["entries"][0].update(threshold={"threshold": 2.0, "sl_max": 8}), "threshold must be null"),
+])
+def test_malformed_batch_schedule_is_a_user_error(tmp_path, edit, message):
+    tuned = _scheduled(tmp_path)
+    edit(tuned["batch_schedule"])
+    with pytest.raises(UserError, match=message):
+        engine_settings(tuned, "vllm", draft="d", target="t")
+
+
+def test_schedule_without_speculation_anywhere(tmp_path):
+    tuned = _scheduled(tmp_path)
+    for e in tuned["batch_schedule"]["entries"]:
+        e["k"], e["threshold"] = 0, None
+    trt = engine_settings(tuned, "trtllm", draft="d", target="t")
+    assert trt["batch_schedule"]["llm_api_options"] == {} and "--extra_llm_api_options" not in trt["batch_schedule"]["command"]
+    vllm = engine_settings(tuned, "vllm", draft="d", target="t")
+    assert vllm["batch_schedule"]["speculative_config"] is None
+    for engine in ("trtllm", "vllm", "sglang", "llamacpp"):
+        validate_engine_file(engine, json.loads(json.dumps(engine_settings(tuned, engine, draft="d", target="t"))))

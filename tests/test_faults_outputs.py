@@ -25,8 +25,8 @@ from test_faults_inputs import one_line_error
 from specstop import outputs
 from specstop.cli import main
 from specstop.data_gen.config import DataGenConfig
+from specstop.data_gen.ownership import clean_partial_shards
 from specstop.data_gen.runner import generate_dataset
-from specstop.data_gen.storage import clean_partial_shards
 from specstop.errors import UserError
 from specstop.policy import PolicySpec
 from specstop.testing import tiny_pair

@@ -85,7 +85,8 @@ def test_export_is_a_hub_model_repo(exports):
     assert meta["library_name"] == "specstop" and "speculative-decoding" in meta["tags"]
     assert meta["specstop"]["policy"]["kind"] == "predictor"
     generate_py = (folder / "custom_generate" / "generate.py").read_text()
-    assert repr(str(folder.resolve())) in generate_py
+    assert str(folder.resolve()) not in generate_py  # found from custom_generate= at call time
+    assert "custom_generate_source()" in generate_py
 
 
 def test_from_pretrained_accepts_a_hub_id(exports, monkeypatch):
@@ -128,7 +129,8 @@ def test_push_to_hub_uploads_the_export_layout(exports, monkeypatch, tmp_path):
     assert url.endswith("/commit/1") and uploaded["repo_id"] == "someone/disco-policy"
     files = uploaded["files"]
     assert {"config.json", "model.safetensors", "README.md", "custom_generate/generate.py"} <= set(files)
-    assert b"'someone/disco-policy'" in files["custom_generate/generate.py"]
+    # The same generate.py as a local export: it names no repository and no path.
+    assert files["custom_generate/generate.py"] == (exports["disco"] / "custom_generate" / "generate.py").read_bytes()
     assert json.loads(files["config.json"])["predictor"] == json.loads((exports["disco"] / "config.json").read_text())["predictor"]
     # What was uploaded loads back to the same predictor.
     back = tmp_path / "back"
@@ -165,6 +167,37 @@ def test_custom_generate_runs_the_learned_policy(name, pair, exports, monkeypatc
     assert "_get_candidate_generator" not in vars(pair.target)
 
 
+def test_a_moved_export_still_runs_through_custom_generate(pair, exports, tmp_path, monkeypatch):
+    """generate.py finds its policy from custom_generate=, so a moved (or pushed) export needs nothing by hand."""
+    from specstop.export import hf_assist
+
+    moved = tmp_path / "elsewhere" / "policy"
+    shutil.copytree(exports["disco"], moved)
+    seen = []
+    original = hf_assist.generate_with_policy
+
+    def spy(model, *args, policy, **kwargs):
+        seen.append(str(policy))
+        return original(model, *args, policy=policy, **kwargs)
+
+    monkeypatch.setattr(hf_assist, "generate_with_policy", spy)
+    monkeypatch.delitem(__import__("specstop").__dict__, "generate_with_policy", raising=False)
+    x = torch.tensor([tiny_prompts(pair, ("def f(x):",))[0]])
+    ref = pair.target.generate(x, max_new_tokens=8, do_sample=False)
+    out = pair.target.generate(x, assistant_model=pair.draft, max_new_tokens=8, do_sample=False,
+                               custom_generate=str(moved), trust_remote_code=True)
+    assert out[0].tolist() == ref[0].tolist()
+    assert seen == [str(moved)]
+
+
+def test_custom_generate_source_outside_generate_names_the_fix():
+    from specstop.errors import UserError
+    from specstop.export.hub import custom_generate_source
+
+    with pytest.raises(UserError, match="stopping_policy="):
+        custom_generate_source()
+
+
 def test_custom_generate_needs_the_draft(pair, exports):
     x = torch.tensor([tiny_prompts(pair, ("hi",))[0]])
     with pytest.raises(ValueError, match="assistant_model"):
@@ -182,9 +215,10 @@ def test_export_for_hf_writes_settings_and_the_custom_generate_folder(exports, t
     assert learned["generate_kwargs"] == {"custom_generate": str(out.resolve()), "trust_remote_code": True}
     assert (out / "custom_generate" / "generate.py").is_file() and (out / "model.safetensors").is_file()
     assert "custom_generate=" in capsys.readouterr().out
-    # The package is written in a temporary folder and renamed into place: generate.py must name
-    # the final folder, and the engine file written next to it must survive the rename.
-    assert repr(str(out.resolve())) in (out / "custom_generate" / "generate.py").read_text()
+    # The package is written in a temporary folder and renamed into place: generate.py names no
+    # folder at all (it reads custom_generate= at call time), and the engine file survives the rename.
+    generate_py = (out / "custom_generate" / "generate.py").read_text()
+    assert str(out.resolve()) not in generate_py and ".tmp-" not in generate_py and "specstop.export" not in generate_py
 
 
 def test_export_for_hf_again_needs_overwrite_and_keeps_the_settings(exports, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """PEARL with the draft and the target in parallel worker processes: greedy equality with the target,
-sampling by chi-square, the ablations, clean shutdown (worker error, worker killed, Ctrl-C), CLI."""
+sampling by chi-square, the ablations, stopping policies inside windows, clean shutdown (worker error,
+worker killed, Ctrl-C, SIGTERM, the parent killed), CLI."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,13 +23,17 @@ from _export_fixtures import single_thread  # noqa: F401
 
 from specstop.decode import PearlDecoder, PearlSpec, PearlWorkers, WorkerError, parse_pearl_policy
 from specstop.decode import pearl_workers as workers_mod
+from specstop.decode.pearl_server import load_stop_policy
 from specstop.decode.pearl_spec import split_cores
 from specstop.decode.pearl_timing import time_split
 from specstop.errors import UserError
+from specstop.export.decoder import SpeculativeDecoder
+from specstop.policy import PolicySpec
 from specstop.probs import logits_to_probs
 
 # The chain decoder's fixtures: the same tiny pairs, prompts and target references.
 pair, prompts, references, MAX_NEW = chain_tests.pair, chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW
+exports = chain_tests.exports  # random-init disco_ffn (dist) and specdecpp_resnet (hidden, cumprod) exports
 small_pair, DECODING, PROMPT, VOCAB = (
     sampling_tests.small_pair, sampling_tests.DECODING, sampling_tests.PROMPT, sampling_tests.VOCAB
 )
@@ -116,6 +126,56 @@ def test_post_verify_grows_the_window(pair, prompts, workers):
     assert max(res.accepted_per_round) >= 2  # a whole post-verify block plus the next window's first token
 
 
+# ---------------------------------------------------------------- stopping policies inside windows
+def _stop_arg(name, exports):
+    return str(exports[name]) if name in exports else name
+
+
+@pytest.mark.parametrize("stop", ["confidence:0.4", "static:2", "disco", "sdpp"])
+def test_greedy_pearl_with_stop_policy_equals_target(stop, pair, prompts, references, exports, workers):
+    """A stopping policy ends windows early (the learned exports and the rules both stop and continue on
+    the tiny pair) and the output is still the target's greedy output."""
+    dec = PearlDecoder(pair, PearlSpec(5, stop=_stop_arg(stop, exports)), workers=workers)
+    stopped = 0
+    for ids, ref in zip(prompts, references):
+        res = dec.generate(ids, MAX_NEW)
+        assert res.token_ids == ref, f"{dec.label}: PEARL output differs from the target's greedy output"
+        assert res.counters["policy"].startswith("pearl:5+")
+        stopped += res.counters["stopped_windows"]
+    assert stopped > 0, f"{stop} never ended a window early: the test would not exercise it"
+    if stop in exports:
+        assert "+" in dec.label and str(exports[stop]) not in dec.label  # the export's name, not its path
+
+
+@pytest.mark.parametrize("stop", ["confidence:0.05", "disco", "sdpp"])
+def test_stop_policy_decides_as_in_the_chain_decoder(stop, pair, prompts, exports, workers):
+    """Without pre- and post-verify, PEARL is draft-a-window-then-verify: with gamma at the policy's own cap
+    its windows are the chain decoder's rounds, so the policy - run in the draft's worker - sees the same
+    q_j, hidden states and positions and makes the same decisions."""
+    policy = chain_tests.make_policy(stop, exports, pair)
+    dec = PearlDecoder(pair, PearlSpec(policy.cap(), False, False, stop=_stop_arg(stop, exports)), workers=workers)
+    for ids in prompts:
+        res = dec.generate(ids, MAX_NEW)
+        chain = SpeculativeDecoder(pair, chain_tests.make_policy(stop, exports, pair)).generate(ids, MAX_NEW)
+        assert res.token_ids == chain.token_ids
+        assert [k for k in res.round_lengths if k] == [k for k in chain.round_lengths if k], stop
+
+
+def test_stop_policy_is_refused_in_one_line(pair, exports):
+    for stop, fragment in [("heuristic", "grows and shrinks"), ("bogus:1", "unknown policy"),
+                           ("confidence:2", "0 < TAU <= 1"),
+                           (PolicySpec(kind="predictor", family="disco_ffn"), "give its export folder")]:
+        with pytest.raises(UserError, match=fragment) as err:
+            PearlDecoder(pair, PearlSpec(3, stop=stop))
+        assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="hidden size is 3"):
+        load_stop_policy(str(exports["sdpp"]), allow_draft_mismatch=True, hidden_size=3)
+    # A tuned rule's spec (not expressible as confidence:TAU: its own SL_max) crosses as a spec.
+    spec = PolicySpec(kind="confidence", threshold=0.3, sl_max=2)
+    assert PearlSpec(4, stop=spec).label == "pearl:4+confidence:0.3"
+    assert load_stop_policy(spec).cap() == 2
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 5])
 def test_length_cap_and_target_only(max_new, pair, prompts, references, workers):
     dec = PearlDecoder(pair, PearlSpec(4), workers=workers)
@@ -132,6 +192,9 @@ def test_threads_backend_matches(pair, prompts, references):
     """The threads variant (CUDA streams; here CPU threads) runs the same coordinator."""
     with PearlDecoder(pair, PearlSpec(3), backend="threads") as dec:
         assert dec.generate(prompts[0], MAX_NEW).token_ids == references[0]
+    with PearlDecoder(pair, PearlSpec(3, stop="confidence:0.4"), backend="threads") as dec:
+        res = dec.generate(prompts[0], MAX_NEW)
+        assert res.token_ids == references[0] and res.counters["stopped_windows"] > 0
 
 
 @pytest.mark.gpu
@@ -157,7 +220,9 @@ def test_cuda_streams_equal_target(prompts):
     "spec, max_new",
     # gamma 1 / 4 tokens: the second token comes from a post-verify phase's parallel draft (z_1) or
     # its residual; no-pre-verify verifies a whole drafted window; no-post-verify ends on a bonus.
-    [(PearlSpec(1), 4), (PearlSpec(2, pre_verify=False), 4), (PearlSpec(2, post_verify=False), 3)],
+    # With a stopping policy (sampling: it reads q_j(y_j)), windows end early at random.
+    [(PearlSpec(1), 4), (PearlSpec(2, pre_verify=False), 4), (PearlSpec(2, post_verify=False), 3),
+     (PearlSpec(3, stop="confidence:0.5"), 4)],
     ids=lambda v: v.label if isinstance(v, PearlSpec) else str(v),
 )
 def test_sampled_pearl_follows_the_target(spec, max_new, small_pair, sampling_workers):
@@ -176,12 +241,14 @@ def test_sampled_pearl_follows_the_target(spec, max_new, small_pair, sampling_wo
     runs = 500
     counts = dict.fromkeys(exact, 0)
     dec = PearlDecoder(small_pair, spec, DECODING, workers=sampling_workers).start()
-    rejections = 0
+    rejections = stopped = 0
     for seed in range(runs):
         res = dec.generate(PROMPT, max_new, seed=seed)
         counts[tuple(res.token_ids[:2])] += 1
         rejections += sum(n < k for k, n in zip(res.round_lengths, res.accepted_per_round))
+        stopped += res.counters["stopped_windows"]
     assert rejections > runs * 0.2, "the draft must be rejected often for the test to mean anything"
+    assert (stopped > runs * 0.1) == (spec.stop is not None), "the stopping policy must end windows early"
     stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
     for cell in sorted(exact, key=exact.get):
         pool_obs += counts[cell]
@@ -267,6 +334,116 @@ def test_ctrl_c_shuts_everything_down_and_restarts(own_decoder, prompts, referen
     _assert_clean(new_pids, before)
 
 
+# A decode in its own process: the worker processes inherit MARK through the environment, so the test
+# finds every process the run started even after the parent is gone.
+_DECODE_SCRIPT = textwrap.dedent("""
+    import sys
+
+    import torch
+
+    from specstop.decode import PearlDecoder, PearlSpec
+    from specstop.testing import tiny_pair
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        draft_cores, target_cores = ([int(c) for c in part.split(",")] for part in sys.argv[1].split(";"))
+        dec = PearlDecoder(tiny_pair(), PearlSpec(3, stop="confidence:0.05"), cores=(draft_cores, target_cores))
+        print("starting", flush=True)
+        dec.start()
+        while True:
+            dec.generate([1, 2, 3, 4], 24)
+            print("decoded", flush=True)
+""")
+MARK = "SPECSTOP_PEARL_TEST_RUN"
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment carries ``MARK=mark``."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0") and " Z " not in (proc / "stat").read_text():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+@pytest.mark.parametrize("when, sig", [("decoded", signal.SIGTERM), ("starting", signal.SIGTERM),
+                                       ("decoded", signal.SIGKILL)],
+                         ids=["sigterm-mid-decode", "sigterm-during-startup", "sigkill-parent-mid-decode"])
+def test_signal_to_the_decoding_process_leaves_nothing_behind(when, sig, tmp_path):
+    """SIGTERM mid-decode or while the workers start (model files in /dev/shm): the parent exits with 143
+    after the Ctrl-C cleanup. SIGKILL (no cleanup possible in the parent): the workers notice the parent is
+    gone and exit on their own. Either way no worker survives and the run's /dev/shm folder is gone."""
+    script = tmp_path / "decode.py"
+    script.write_text(_DECODE_SCRIPT)
+    mark = uuid.uuid4().hex
+    cores = ";".join(",".join(map(str, c)) for c in _cores())
+    env = {**os.environ, MARK: mark}
+    proc = subprocess.Popen([sys.executable, str(script), cores], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.strip() == when:
+                break
+        else:
+            pytest.fail(f"the decode ended before {when!r}: {proc.wait()} {proc.stderr.read()[-2000:]}")
+        if when == "starting":
+            # SIGTERM while the model files are in /dev/shm (saved, or being loaded by the workers).
+            deadline = time.monotonic() + 30
+            while not any(n.startswith(f"specstop-pearl-{proc.pid}-") for n in _shm_entries()):
+                assert time.monotonic() < deadline and proc.poll() is None, "the run's /dev/shm folder never appeared"
+                time.sleep(0.02)
+        else:
+            assert len(_processes_marked(mark)) >= 3  # the parent, its two workers (and multiprocessing's tracker)
+        os.kill(proc.pid, sig)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = proc.stderr.read()
+    assert rc == (143 if sig == signal.SIGTERM else -signal.SIGKILL), stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    deadline = time.monotonic() + 15  # the workers' watchdog polls twice a second; closing waits for a forward
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_marked(mark), "worker processes outlived the decoding process"
+    left = [n for n in _shm_entries() if n.startswith(f"specstop-pearl-{proc.pid}-")]
+    assert not left, f"left in /dev/shm: {left}"
+
+
+def test_sigterm_handler_is_held_while_workers_run(workers, monkeypatch):
+    """PEARL's SIGTERM handler is installed while any pool runs (counted), the previous one comes back
+    after the last, and a handler someone else installed is left alone."""
+    assert signal.getsignal(signal.SIGTERM) is workers_mod._on_sigterm  # the module's pool is running
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(workers_mod, "_term", {"pools": 0, "previous": None, "defer": 0, "pending": False})
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert workers_mod._hold_sigterm() and workers_mod._hold_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is workers_mod._on_sigterm
+        workers_mod._release_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is workers_mod._on_sigterm  # one pool still runs
+        workers_mod._release_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        def theirs(signum, frame):
+            pass
+
+        signal.signal(signal.SIGTERM, theirs)
+        assert not workers_mod._hold_sigterm() and signal.getsignal(signal.SIGTERM) is theirs
+        with pytest.raises(SystemExit) as exc:  # what the handler does: unwind like Ctrl-C, exit 143
+            workers_mod._on_sigterm(signal.SIGTERM, None)
+        assert exc.value.code == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ---------------------------------------------------------------- pricing the split
 def test_time_split_reports_alone_and_beside(workers):
     t = time_split(workers, target_tokens=2, context=8, reps=3)
@@ -287,7 +464,13 @@ def test_decode_cli_pearl(tiny_pair_dir, capsys):
     assert obj["counters"]["N"] == len(obj["token_ids"]) <= 8
     assert obj["counters"]["policy"].startswith("pearl:") and "no-post-verify" in obj["counters"]["policy"]
     assert "from cost model llama2-7b-70b" in captured.err
+    assert main(base + ["--policy", "pearl:3", "--stop", "static:2", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert obj["counters"]["policy"] == "pearl:3+static:2" and obj["counters"]["N"] == len(obj["token_ids"])
     for extra, fragment in [
+        (["--policy", "static:3", "--stop", "confidence:0.5"], "read by --policy pearl only"),
+        (["--policy", "pearl:3", "--stop", "heuristic"], "grows and shrinks"),
+        (["--policy", "pearl:3", "--stop", "confidence:x"], "TAU must be a number"),
         (["--policy", "pearl:two"], "whole number"),
         (["--policy", "pearl:3", "--cost-model", "llama2-7b-70b"], "fixes the window"),
         (["--policy", "static:3", "--pearl-cores", "1,1"], "read by --policy pearl only"),

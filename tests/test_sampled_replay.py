@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _data_gen_helpers import make_render, records, replay_data_config
 
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
@@ -24,7 +25,6 @@ from specstop.export.runtime import StoppingPolicy
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 from specstop.testing import tiny_pair
-from tests._data_gen_helpers import make_render, records, replay_data_config
 
 MAX_NEW = 12
 T = 1.0

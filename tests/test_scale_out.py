@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from specstop.cli import main
-from specstop.data_gen import storage
+from specstop.data_gen import ownership, storage
 from specstop.data_gen.schema import TABLES
 from specstop.testing import save_tiny_pair
 
@@ -226,7 +226,7 @@ def test_a_starting_worker_leaves_other_workers_temporary_shards_alone(tmp_path)
     root = storage.shards_root(tmp_path)
     (root / ".tmp-train-00000-abcd1234").mkdir(parents=True)  # worker 0, writing
     (root / ".tmp-train-00001-ffff0000").mkdir()  # worker 1's own leftover from a crash
-    removed = storage.clean_partial_shards(tmp_path, ["train-00001"])
+    removed = ownership.clean_partial_shards(tmp_path, ["train-00001"])
     assert removed == [".tmp-train-00001-ffff0000"]
     assert (root / ".tmp-train-00000-abcd1234").is_dir()
 

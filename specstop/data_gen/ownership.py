@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from specstop.data_gen.schema import TABLES
-from specstop.data_gen.storage import COMPLETE_MARKER, MANIFEST, read_shard_record, shards_root
+from specstop.data_gen.storage import COMPLETE_MARKER, MANIFEST, read_shard_record, shards_root, verify_shard
 from specstop.errors import UserError
 
 CARD = "README.md"
@@ -103,3 +105,32 @@ def check_no_foreign_files(out_dir: str | Path) -> None:
             f"--data {out_dir} holds {bad[0]}{more}, which specstop generate did not write and would overwrite or "
             "delete; nothing was changed. Use a new --data folder, or move those files away"
         )
+
+
+def _tmp_owner(name: str) -> str:
+    """The shard a ``.tmp-<shard>-<uuid8>`` folder was being written for."""
+    return name[len(".tmp-"):].rsplit("-", 1)[0]
+
+
+def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None) -> list[str]:
+    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification
+    (only folders specstop wrote: :func:`is_tmp_shard`, :func:`is_own_shard`).
+
+    Args:
+        out_dir: dataset folder.
+        names: only touch these shards (a worker cleans its own; others may be writing theirs).
+    """
+    removed = []
+    root = shards_root(out_dir)
+    if not root.is_dir():
+        return removed
+    mine = None if names is None else set(names)
+    for p in sorted(root.iterdir()):
+        owner = _tmp_owner(p.name) if p.name.startswith(".tmp-") else p.name
+        if mine is not None and owner not in mine:
+            continue
+        # Only folders specstop wrote: a folder of the user's under a shard's name is never deleted.
+        if is_tmp_shard(p) or (is_own_shard(p) and not verify_shard(p)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed

@@ -21,13 +21,12 @@ from specstop.data_gen import storage
 from specstop.data_gen.card import write_dataset_card
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.labels import LABELS_VERSION, label_semantics
-from specstop.data_gen.ownership import check_no_foreign_files
+from specstop.data_gen.ownership import check_no_foreign_files, clean_partial_shards
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
 from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
 from specstop.data_gen.storage import (
     atomic_write_json,
-    clean_partial_shards,
     complete_shards,
     read_shard_record,
     shard_name,

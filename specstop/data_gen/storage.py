@@ -219,37 +219,6 @@ def verify_shard(path: str | Path, *, check_hashes: bool = True) -> bool:
     return shard_problem(path, check_hashes=check_hashes) is None
 
 
-def _tmp_owner(name: str) -> str:
-    """The shard a ``.tmp-<shard>-<uuid8>`` folder was being written for."""
-    return name[len(".tmp-"):].rsplit("-", 1)[0]
-
-
-def clean_partial_shards(out_dir: str | Path, names: Iterable[str] | None = None) -> list[str]:
-    """Remove ``.tmp-*`` leftovers of crashed writes and final-named shards that fail verification
-    (only folders specstop wrote: see :mod:`specstop.data_gen.ownership`).
-
-    Args:
-        out_dir: dataset folder.
-        names: only touch these shards (a worker cleans its own; others may be writing theirs).
-    """
-    from specstop.data_gen.ownership import is_own_shard, is_tmp_shard
-
-    removed = []
-    root = shards_root(out_dir)
-    if not root.is_dir():
-        return removed
-    mine = None if names is None else set(names)
-    for p in sorted(root.iterdir()):
-        owner = _tmp_owner(p.name) if p.name.startswith(".tmp-") else p.name
-        if mine is not None and owner not in mine:
-            continue
-        # Only folders specstop wrote: a folder of the user's under a shard's name is never deleted.
-        if is_tmp_shard(p) or (is_own_shard(p) and not verify_shard(p)):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p.name)
-    return removed
-
-
 def shard_digest(record: Mapping[str, Any] | None) -> str | None:
     """One sha256 over a shard's recorded files (name, size, sha256) and prompt ids.
 

@@ -7,8 +7,11 @@ handed to ``tree_decoder`` by its caller. The chain decoder (:mod:`specstop.expo
 
 PEARL (draft and target in parallel): ``pearl_spec`` <- ``pearl_server`` <- ``pearl_workers`` <- ``pearl``
 <- ``pearl_timing``.
+
+Batched chain decoding (B prompts at once, acceptance per sequence): ``batched``.
 """
 
+from specstop.decode.batched import BatchDecodeResult, BatchedSpeculativeDecoder
 from specstop.decode.pearl import PearlDecoder
 from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy
 from specstop.decode.pearl_workers import PearlWorkers, WorkerError
@@ -16,6 +19,8 @@ from specstop.decode.tree_decoder import TreeDecoder
 from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, parse_tree_policy
 
 __all__ = [
+    "BatchDecodeResult",
+    "BatchedSpeculativeDecoder",
     "DynamicTreeShape",
     "PearlDecoder",
     "PearlSpec",

@@ -35,7 +35,7 @@ import torch
 from specstop.decode.token_tree import TokenTree
 from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, TreeShape
 
-__all__ = ["NodeScorer", "candidate_order", "grow_tree"]
+__all__ = ["NodeScorer", "candidate_order", "grow_below", "grow_tree"]
 
 # expand(tree, nodes) -> [len(nodes), V] draft distributions of the fed nodes (one draft forward).
 Expand = Callable[[TokenTree, list[int]], torch.Tensor]
@@ -108,8 +108,30 @@ def grow_tree(
     raise TypeError(f"unknown tree shape {shape!r}")
 
 
-def _grow_static(shape, tree, expand, depth_cap, eos, greedy, gen):
-    frontier, forwards = [0], 0
+def grow_below(
+    shape: StaticTreeShape, tree: TokenTree, frontier: list[int], expand: Expand, *, depth_cap: int, eos: set[int],
+    greedy: bool, gen: torch.Generator | None = None,
+) -> int:
+    """Grow a static k-config below each node of ``frontier`` (target-initialized rounds: the
+    first-level nodes are the target's own samples, already fed to the draft).
+
+    Args:
+        shape: ``branching[d]`` children per node d levels below the frontier.
+        tree: the tree; every frontier node has its ``draft_dists`` entry.
+        frontier: the nodes to grow below. depth_cap: levels below them (<= the shape's depth).
+        expand / eos / greedy / gen: as for :func:`grow_tree`.
+
+    Returns:
+        Draft forwards spent (the forward that gave the frontier's distributions excluded).
+    """
+    if depth_cap <= 0 or not frontier:
+        return 0
+    return _grow_static(shape, tree, expand, depth_cap, eos, greedy, gen, frontier)[1]
+
+
+def _grow_static(shape, tree, expand, depth_cap, eos, greedy, gen, frontier=None):
+    """Static levels below ``frontier`` (default the root), whose ``draft_dists`` are already set."""
+    frontier, forwards = list(frontier or [0]), 0
     depth = min(depth_cap, shape.max_depth)
     for level in range(depth):
         new = []

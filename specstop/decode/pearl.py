@@ -23,6 +23,14 @@ min(1, p(y)/q(y)) with q the distribution y was drawn from, and resamples from t
 rejection, so every emitted token is distributed as the target's p. Emitting EOS ends the response;
 drafting stops after a drafted EOS.
 
+With a stopping policy (``PearlSpec(stop=...)``: ``confidence:TAU``, ``static:K``, an export folder),
+every window - a pre-verify draft, a post-verify parallel draft, a draft-only phase - is drafted
+token by token until its budget is used or the policy says stop; the rest of the budget is not
+drafted and the target verifies what was. The policy runs in the draft's worker, asked after each
+token with the chain decoder's inputs (q_j, the draft's hidden state, y_j's response position); it
+only decides how many tokens are proposed, never whether one is accepted, so the output is unchanged
+(greedy) or still distributed as the target's (sampling).
+
 The adaptive draft length is the effect of the two strategies: a block keeps growing by gamma per
 phase while everything is accepted, and costs a single target pass when its first token fails.
 Ablations (the paper's Table 3): without pre-verify, a phase from a fresh prefix is a plain drafting
@@ -37,16 +45,21 @@ prefill excluded), ``N_draft`` drafted tokens (parallel drafts that were dropped
 how many it accepted. Timings: ``prefill`` (both models in parallel), ``draft`` and ``target``
 (each worker's own busy seconds; they overlap), ``accept`` (verification in the coordinator),
 ``sync`` (phase wall time beyond the busier worker: transport and waiting), ``total``, and
-``round_seconds`` (each phase's wall time), plus ``draft_idle`` / ``target_idle``.
+``round_seconds`` (each phase's wall time), plus ``draft_idle`` / ``target_idle``. With a stopping
+policy, ``stopped_windows`` counts the windows it ended before their budget (``draft`` includes its
+time).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from specstop.decode.pearl_server import load_stop_policy
 from specstop.decode.pearl_spec import PearlSpec
 from specstop.decode.pearl_workers import PearlWorkers
 from specstop.export.decoder import DecodeResult, eos_token_ids
@@ -104,6 +117,11 @@ class PearlDecoder:
             workers built from ``cores`` and ``backend``.
         cores: ``(draft cores, target cores)`` for the process workers.
         backend: ``auto`` | ``processes`` | ``threads`` (see :class:`PearlWorkers`).
+        allow_draft_mismatch: load a ``spec.stop`` export made for another draft or tokenizer.
+
+    Raises:
+        UserError: a ``spec.stop`` that is malformed, a heuristic schedule, or an export made for
+            another draft (checked here, before any worker starts).
     """
 
     def __init__(
@@ -115,22 +133,51 @@ class PearlDecoder:
         workers: PearlWorkers | None = None,
         cores: tuple[list[int], list[int]] | None = None,
         backend: str = "auto",
+        allow_draft_mismatch: bool = False,
     ) -> None:
         self.pair = pair
         self.spec = spec or PearlSpec()
         self.decoding = decoding or DecodingConfig()
+        self.stop_policy = None
+        self._stop_arg = None  # what the draft's worker loads the stopping policy from
+        self._stop_loaded_by = None  # the draft worker that has loaded it (a restarted one has not)
+        if self.spec.stop is not None:
+            self._set_stop(self.spec.stop, allow_draft_mismatch)
         self.vocab_size = pair.vocab_size
         self.eos = eos_token_ids(pair)
         self.owns_workers = workers is None
         self.workers = workers if workers is not None else PearlWorkers(pair, cores, backend)
         self.gamma_source = "given" if self.spec.gamma is not None else None
 
+    def _set_stop(self, stop, allow_draft_mismatch: bool) -> None:
+        """Check the stopping policy against the pair here; the draft's worker loads it again from
+        ``self._stop_arg`` (an absolute folder path, the policy text or the rule's spec)."""
+        identity = getattr(self.pair, "draft_identity", None)  # None for hand-built pairs: nothing to check
+        self.stop_policy = load_stop_policy(
+            stop, draft_identity=identity, tokenizer_hash=getattr(self.pair, "tokenizer_hash", None),
+            allow_draft_mismatch=allow_draft_mismatch, hidden_size=getattr(identity, "hidden_size", None),
+        )
+        is_folder = isinstance(stop, (str, Path)) and Path(stop).is_dir()
+        self._stop_arg = str(Path(stop).resolve()) if is_folder else (str(stop) if isinstance(stop, Path) else stop)
+        label_t = (self.stop_policy.config.get("decoding") or {}).get("temperature")
+        if label_t is not None and float(label_t) != self.decoding.temperature:
+            warnings.warn(
+                f"stop policy {self.stop_policy.label} was trained on labels made at temperature {label_t}, decoding "
+                f"runs at {self.decoding.temperature}: its scores may be miscalibrated (decoding stays lossless)",
+                stacklevel=3,
+            )
+
     @property
     def label(self) -> str:
-        return self.spec.label
+        if self.stop_policy is None:
+            return self.spec.label
+        # The loaded policy's name (an export's tuned name) rather than the folder path given.
+        bare = self.spec.with_stop(None).label
+        head, _, ablations = bare.partition(" ")
+        return f"{head}+{self.stop_policy.label}" + (f" {ablations}" if ablations else "")
 
     def start(self) -> PearlDecoder:
-        """Start the workers and settle gamma (idempotent)."""
+        """Start the workers, settle gamma and load the stopping policy in the draft's worker (idempotent)."""
         try:
             self.workers.start()
             if self.spec.gamma is None:
@@ -138,6 +185,11 @@ class PearlDecoder:
                 self.spec = self.spec.with_gamma(gamma)
             if not self.decoding.greedy:
                 self.workers.ensure_rows(self.spec.gamma + 1)
+            if self._stop_arg is not None and self._stop_loaded_by is not self.workers.draft:
+                # Loaded now (once per worker), so no prompt's decoding pays for it.
+                self.workers.draft.submit("load_stop", self._stop_arg)
+                self.workers.draft.result()
+                self._stop_loaded_by = self.workers.draft
         except BaseException:
             self.workers.close()
             raise
@@ -216,7 +268,7 @@ class PearlDecoder:
 
         t_start = time.perf_counter()
         prefix = prompt[:-1]  # the last prompt token is fed with the first phase
-        draft.submit("reset", prefix, self.decoding, seed + 1)
+        draft.submit("reset", prefix, self.decoding, seed + 1, self._stop_arg)
         target.submit("reset", prefix, self.decoding, seed + 2)
         prefill = max(draft.result(), target.result())
         prefill_wall = time.perf_counter() - t_start
@@ -231,7 +283,7 @@ class PearlDecoder:
         rounds_n: list[int] = []
         round_seconds: list[float] = []
         busy = {"draft": 0.0, "target": 0.0, "accept": 0.0, "sync": 0.0, "draft_idle": 0.0, "target_idle": 0.0}
-        n_target = n_draft = 0
+        n_target = n_draft = stopped_windows = 0
         stop_reason = "length"
 
         while len(out) < max_new:
@@ -242,7 +294,7 @@ class PearlDecoder:
             if mode == "pre":
                 g = min(gamma, max_new - s - 1)
                 if g > 0:
-                    d_req = (seq, g)
+                    d_req = (seq, g, s)  # (sequence, window budget, response position of its first token)
                 if g <= 0 or pre_verify:
                     t_req = (seq, 1)
                 kind = "pre_verify_phases" if d_req and t_req else ("draft_only_phases" if d_req else "target_only_phases")
@@ -252,7 +304,7 @@ class PearlDecoder:
                 # block is accepted; none after a drafted EOS or past the length cap.
                 h = 0 if (block and block[-1] in self.eos) or not post_verify else min(gamma, max_new - (s + len(block)) - 1)
                 if h > 0:
-                    d_req = (full, h)
+                    d_req = (full, h, s + len(block))
                 t_req = (full, len(block) + 1)
                 kind = "post_verify_phases"
             counts[kind] += 1
@@ -260,7 +312,7 @@ class PearlDecoder:
             # ---- both workers at once
             if d_req:
                 keep, feed = mirror_d.plan(d_req[0], 1)
-                draft.submit("draft", keep, feed, d_req[1])
+                draft.submit("draft", keep, feed, d_req[1], d_req[2])
             if t_req:
                 t_keep, t_feed = mirror_t.plan(t_req[0], t_req[1])
                 target.submit("verify", t_keep, t_feed, t_req[1])
@@ -270,6 +322,8 @@ class PearlDecoder:
             if d_req:
                 mirror_d.tokens = d_req[0] + drafted[:-1]  # the last drafted token is never fed
                 n_draft += len(drafted)
+                # Short of its budget without an EOS: the stopping policy ended the window.
+                stopped_windows += len(drafted) < d_req[1] and drafted[-1] not in self.eos
             if t_req:
                 mirror_t.tokens = list(t_req[0])
                 n_target += 1
@@ -336,6 +390,7 @@ class PearlDecoder:
             "stop_reason": stop_reason,
             "policy": self.label if max_draft is None else f"{self.label} (max_draft={max_draft})",
             "gamma": gamma,
+            "stopped_windows": stopped_windows,
             "batch_size": 1,
             "workers": self.workers.describe(),
         }

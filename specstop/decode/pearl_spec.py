@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from specstop.errors import UserError
+
+if TYPE_CHECKING:
+    from specstop.policy import PolicySpec
 
 __all__ = ["PearlSpec", "available_cores", "parse_pearl_policy", "split_cores"]
 
@@ -15,24 +19,43 @@ MAX_GAMMA = 64  # one target pass verifies gamma + 1 tokens; beyond this it is n
 
 @dataclass(frozen=True)
 class PearlSpec:
-    """A PEARL run: window ``gamma`` (None: derive it from timings) and the two strategies.
+    """A PEARL run: window ``gamma`` (None: derive it from timings), the two strategies and an optional
+    stopping policy that ends windows early.
 
     Attributes:
         gamma: drafted tokens per window; None means round(t_target / t_draft), PEARL's Theorem 1.
         pre_verify: the target checks the first draft token while the draft drafts the rest.
         post_verify: the draft drafts the next window while the target verifies the current one.
+        stop: a stopping policy asked after every drafted token of a window (None: every window drafts
+            its whole budget): a policy string (``confidence:0.6``, ``static:3``), an export folder, or
+            a :class:`~specstop.policy.PolicySpec` of a rule policy (e.g. a tuned ``confidence_opt``).
+            It only shortens windows, never changes acceptance, so decoding stays lossless. It is
+            loaded in the draft's worker (text and specs cross the process boundary, not modules).
     """
 
     gamma: int | None = None
     pre_verify: bool = True
     post_verify: bool = True
+    stop: str | PolicySpec | None = None
 
     def with_gamma(self, gamma: int) -> PearlSpec:
-        return PearlSpec(int(gamma), self.pre_verify, self.post_verify)
+        return replace(self, gamma=int(gamma))
+
+    def with_stop(self, stop) -> PearlSpec:
+        return replace(self, stop=stop)
+
+    @property
+    def stop_label(self) -> str | None:
+        """The stopping policy's short name (a spec's label, else the text as given)."""
+        if self.stop is None:
+            return None
+        return getattr(self.stop, "label", None) or str(self.stop)
 
     @property
     def label(self) -> str:
         text = "pearl" if self.gamma is None else f"pearl:{self.gamma}"
+        if self.stop is not None:
+            text += f"+{self.stop_label}"
         if not self.pre_verify:
             text += " no-pre-verify"
         if not self.post_verify:

@@ -7,10 +7,14 @@ rows (sampling) through a shared-memory buffer per worker, so a 150k-token vocab
 each phase. Each model reaches its worker as a ``torch.save`` file in a private temporary folder
 (under ``/dev/shm`` where it exists), loaded with ``mmap=True``: the worker's weights are the file's
 pages, not a copy. Every file is deleted as soon as the workers have mapped it, so nothing is left
-behind even if the parent is killed later; :meth:`PearlWorkers.close` (also on errors and Ctrl-C)
-ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole process
-group, and the parent, not each child, decides how to shut down - and exit on their own when the
-parent's end of the pipe closes.
+behind even if the parent is killed later; :meth:`PearlWorkers.close` (also on errors, Ctrl-C and
+SIGTERM) ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole
+process group, and the parent, not each child, decides how to shut down - and exit on their own when
+the parent's end of the pipe closes or the parent dies (a watchdog thread in each worker notices the
+parent pid change even while a forward runs). While workers run, a SIGTERM to the parent (where
+nothing else handles it) raises ``SystemExit(143)`` in the parent's main thread, so it unwinds through
+the same cleanup as Ctrl-C instead of dying with the workers and ``/dev/shm`` files left behind; the
+previous handler is restored when the last pool closes.
 
 CUDA (``threads``): one thread per model, each issuing its work on its own CUDA stream; the draft
 goes to a second GPU when there is one (moved back on close).
@@ -18,14 +22,18 @@ goes to a second GPU when there is one (moved back on close).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
+import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,25 +50,133 @@ class WorkerError(RuntimeError):
     """A PEARL worker failed (its exception, named) or died; both workers have been shut down."""
 
 
+# ---------------------------------------------------------------------------------- SIGTERM in the parent
+_term_lock = threading.Lock()
+_term = {"pools": 0, "previous": None, "defer": 0, "pending": False}
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Turn SIGTERM into ``SystemExit(128 + signum)``: every ``except BaseException`` / ``finally`` on
+    the way out (the decoder's, the CLI's) closes the workers, then the process exits with the status
+    a shell reports for SIGTERM. A SIGTERM during that cleanup (or while a worker is being spawned) is
+    held until it is done (:func:`_sigterm_deferred`)."""
+    if _term["defer"]:
+        _term["pending"] = True
+        return
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_deferred(raise_held: bool = True) -> Iterator[None]:
+    """Hold a SIGTERM that arrives inside the block until it ends.
+
+    Cut short, a spawn leaves its child reading a half-written pipe (it dies printing a traceback), a
+    folder or worker not yet recorded escapes the cleanup, and a cleanup stops half way.
+
+    Args:
+        raise_held: raise the held SIGTERM's ``SystemExit`` when the block ends normally (not at
+            interpreter exit, where it would skip the remaining finalizers).
+    """
+    in_main = threading.current_thread() is threading.main_thread()  # handlers run in the main thread
+    _term["defer"] += in_main
+    try:
+        yield
+    finally:
+        _term["defer"] -= in_main
+    if raise_held:
+        _raise_held_sigterm()
+
+
+def _raise_held_sigterm() -> None:
+    """Exit now for a SIGTERM held during a deferred block (main thread, no such block still running)."""
+    if _term["pending"] and not _term["defer"] and threading.current_thread() is threading.main_thread():
+        _term["pending"] = False
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _hold_sigterm() -> bool:
+    """Install :func:`_on_sigterm` for one more pool; returns whether this pool holds it (only the main
+    thread can set handlers, and a handler someone else installed is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _term_lock:
+        current = signal.getsignal(signal.SIGTERM)
+        if _term["pools"] == 0 and current is not _on_sigterm:  # (still ours when a thread released it last)
+            if current is not signal.SIG_DFL:
+                return False
+            _term["previous"] = signal.signal(signal.SIGTERM, _on_sigterm)
+        _term["pools"] += 1
+    return True
+
+
+def _release_sigterm() -> None:
+    """One pool fewer; the last restores the handler that was there before."""
+    with _term_lock:
+        _term["pools"] -= 1
+        if _term["pools"] > 0:
+            return
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, _term["previous"])
+
+
 # ---------------------------------------------------------------------------------- child process
-def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_size: int, eos: list[int]) -> None:
-    """Entry point of a worker process: pin, load, then serve requests until told to close."""
+def _exit_with_parent(parent_pid: int) -> None:
+    """Watchdog thread of a worker: end the process as soon as the parent is gone (killed with SIGKILL,
+    say), even in the middle of a forward, instead of lingering until the pipe is next read."""
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_S)
+    os._exit(1)
+
+
+def _register_output_capture(model) -> None:
+    """Record, for an unpickled transformers model, which outputs its hooks can capture.
+
+    ``PreTrainedModel.__init__`` registers that per class; a model loaded with ``torch.load`` in a fresh
+    process skipped it, and its ``output_hidden_states`` forwards (hidden-state stopping policies)
+    would return None.
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry captures outputs without it
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
+            _CAN_RECORD_REGISTRY[module] = getattr(module, "_can_record_outputs", None)
+
+
+def _send(conn, msg) -> bool:
+    """Send ``msg`` to the parent; False when the parent's end is closed (it exited or was killed)."""
+    try:
+        conn.send(msg)
+        return True
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return False
+
+
+def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_size: int, eos: list[int],
+                parent_pid: int) -> None:
+    """Entry point of a worker process: pin, load, then serve requests until told to close (or the parent
+    is gone: its pipe closed, or the watchdog saw its pid change)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and closes us
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     rows: torch.Tensor | None = None
     try:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
         model = torch.load(model_path, mmap=True, weights_only=False)
         model.eval()
+        _register_output_capture(model)
         if use_mv:
             from specstop.pair.fast_paths import route_single_rows
 
             route_single_rows(model, use_mv=True)
         server = ModelServer(model, vocab_size, set(eos))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+        _send(conn, ("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
         return
-    conn.send(("ready", {"pid": os.getpid(), "cores": cores, "threads": torch.get_num_threads()}))
+    if not _send(conn, ("ready", {"pid": os.getpid(), "cores": cores, "threads": torch.get_num_threads()})):
+        return
     while True:
         try:
             msg = conn.recv()
@@ -68,26 +184,32 @@ def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_siz
             return
         op, args = msg[0], msg[1:]
         if op == "close":
-            return
+            # Nothing to flush or remove (the files were unlinked once mapped): skip the interpreter's
+            # teardown of torch, which takes about a second, so shutdown (Ctrl-C, SIGTERM) is prompt.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         try:
             if op == "map_rows":
                 path, n_rows, width = args
                 rows = torch.from_file(path, shared=True, size=n_rows * width, dtype=torch.float32).view(n_rows, width)
-                conn.send(("ok", None))
-                continue
-            out = getattr(server, op)(*args)
-            if isinstance(out, tuple) and len(out) == 3 and (out[1] is None or isinstance(out[1], torch.Tensor)):
-                ids, probs, seconds = out
-                k = 0
-                if probs is not None:
-                    if rows is None or probs.shape[0] > rows.shape[0] or probs.shape[1] != rows.shape[1]:
-                        raise RuntimeError(f"no shared row buffer for {tuple(probs.shape)} rows")
-                    k = probs.shape[0]
-                    rows[:k].copy_(probs)
-                out = (ids, k, seconds)
-            conn.send(("ok", out))
+                reply = ("ok", None)
+            else:
+                out = getattr(server, op)(*args)
+                if isinstance(out, tuple) and len(out) == 3 and (out[1] is None or isinstance(out[1], torch.Tensor)):
+                    ids, probs, seconds = out
+                    k = 0
+                    if probs is not None:
+                        if rows is None or probs.shape[0] > rows.shape[0] or probs.shape[1] != rows.shape[1]:
+                            raise RuntimeError(f"no shared row buffer for {tuple(probs.shape)} rows")
+                        k = probs.shape[0]
+                        rows[:k].copy_(probs)
+                    out = (ids, k, seconds)
+                reply = ("ok", out)
         except BaseException as err:  # noqa: BLE001 - reported, then the worker exits
-            conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+            _send(conn, ("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
+            return
+        if not _send(conn, reply):
             return
 
 
@@ -101,13 +223,14 @@ class _ProcessWorker:
         self.cores = cores
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=_child_main, args=(child, str(model_path), use_mv, cores, vocab_size, sorted(eos)),
+            target=_child_main, args=(child, str(model_path), use_mv, cores, vocab_size, sorted(eos), os.getpid()),
             name=f"specstop-pearl-{name}", daemon=True,
         )
         self.proc.start()
         child.close()  # our copy: the child's end must close when the child exits (EOF detection)
         self.rows: torch.Tensor | None = None
         self.info: dict = {}
+        self._close_sent = False
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         self.info = self._recv(timeout)
@@ -153,12 +276,18 @@ class _ProcessWorker:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
-    def close(self) -> None:
-        if self.proc.is_alive():
+    def request_close(self) -> None:
+        """Ask the worker to exit (once) without waiting, so several workers wind down together."""
+        if not self._close_sent and self.proc.is_alive():
+            self._close_sent = True
             try:
                 self.conn.send(("close",))
             except (BrokenPipeError, OSError):
                 pass
+
+    def close(self) -> None:
+        self.request_close()
+        if self.proc.is_alive():
             self.proc.join(5.0)  # a forward in flight finishes first
         if self.proc.is_alive():
             self.proc.terminate()
@@ -233,36 +362,74 @@ def _session_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"specstop-pearl-{os.getpid()}-", dir=base))
 
 
+_CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers defines its capture hooks
+_CAPTURE_FLAG = "_output_capturing_hooks_installed"
+
+
+def _without_capture_hooks(model) -> list:
+    """Detach the forward hooks transformers installs on a model's first ``output_hidden_states`` forward
+    (local closures, which pickle cannot save) and its "installed" marks; returns what
+    :func:`_restore_capture_hooks` puts back. The worker's copy installs its own on first use."""
+    saved = []
+    for module in model.modules():
+        hooks = module._forward_hooks
+        ours = [k for k, fn in hooks.items() if getattr(fn, "__module__", None) == _CAPTURE_HOOKS]
+        flag = module.__dict__.pop(_CAPTURE_FLAG, None)
+        if ours or flag is not None:
+            saved.append((module, hooks.copy(), flag))
+            for k in ours:
+                del hooks[k]
+    return saved
+
+
+def _restore_capture_hooks(saved: list) -> None:
+    for module, hooks, flag in saved:
+        module._forward_hooks.clear()
+        module._forward_hooks.update(hooks)  # the original order
+        if flag is not None:
+            module.__dict__[_CAPTURE_FLAG] = flag
+
+
 def _save_portable(model, path: Path) -> bool:
     """``torch.save`` the whole module; returns whether one-row ``torch.mv`` routing was on.
 
     The routing binds methods to instances, which pickle cannot restore: it is switched off for the
-    save, back on right after, and re-applied by the worker.
+    save, back on right after, and re-applied by the worker. Output-capturing hooks (a model that has
+    already returned hidden states) are detached for the save the same way.
     """
     from specstop.pair.fast_paths import route_single_rows, routes_single_rows
 
     use_mv = routes_single_rows(model)
     if use_mv:
         route_single_rows(model, use_mv=False)
+    hooks = _without_capture_hooks(model)
     try:
         torch.save(model, path)
     finally:
+        _restore_capture_hooks(hooks)
         if use_mv:
             route_single_rows(model, use_mv=True)
     return use_mv
 
 
-def _shutdown(workers: list, folder: list[Path | None]) -> None:
-    """Close every worker and remove the session folder (idempotent; also runs at exit)."""
-    while workers:
-        w = workers.pop()
-        try:
-            w.close()
-        except Exception:  # noqa: BLE001 - keep closing the others
-            pass
-    if folder[0] is not None:
-        shutil.rmtree(folder[0], ignore_errors=True)
-        folder[0] = None
+def _shutdown(workers: list, folder: list[Path | None], term: list[bool]) -> None:
+    """Close every worker, remove the session folder and give back the SIGTERM handler (idempotent;
+    also runs at exit). A SIGTERM meanwhile is held; :meth:`PearlWorkers.close` raises it after."""
+    with _sigterm_deferred(raise_held=False):
+        for w in workers:
+            getattr(w, "request_close", lambda: None)()
+        while workers:
+            w = workers.pop()
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - keep closing the others
+                pass
+        if folder[0] is not None:
+            shutil.rmtree(folder[0], ignore_errors=True)
+            folder[0] = None
+        if term[0]:
+            term[0] = False
+            _release_sigterm()
 
 
 class PearlWorkers:
@@ -290,9 +457,10 @@ class PearlWorkers:
         self.draft = self.target = None
         self._workers: list = []
         self._folder: list[Path | None] = [None]
+        self._term = [False]  # whether this pool holds the SIGTERM handler
         self._moved_draft: torch.device | None = None
         self._rows = 0
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._folder)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._folder, self._term)
 
     @property
     def started(self) -> bool:
@@ -302,6 +470,9 @@ class PearlWorkers:
         """Start both workers (both processes load at the same time); idempotent."""
         if self.started:
             return self
+        if self.backend == "processes" and not self._term[0]:
+            # Before the first file is written: a SIGTERM while the models are saved or loaded cleans up too.
+            self._term[0] = _hold_sigterm()
         try:
             if self.backend == "processes":
                 self._start_processes()
@@ -318,13 +489,15 @@ class PearlWorkers:
 
             self.cores = split_cores(None)
         ctx = torch.multiprocessing.get_context("spawn")
-        folder = self._folder[0] = _session_dir()
+        with _sigterm_deferred():  # the folder is recorded before anything can interrupt
+            folder = self._folder[0] = _session_dir()
         started = []
         for name, model, cores in (("draft", self.pair.draft, self.cores[0]), ("target", self.pair.target, self.cores[1])):
             path = folder / f"{name}.pt"
             use_mv = _save_portable(model, path)
-            w = _ProcessWorker(name, ctx, path, use_mv, list(cores), self.vocab_size, self.eos)
-            self._workers.append(w)
+            with _sigterm_deferred():  # a whole spawn, and the worker recorded for the cleanup
+                w = _ProcessWorker(name, ctx, path, use_mv, list(cores), self.vocab_size, self.eos)
+                self._workers.append(w)
             started.append(w)
         for w in started:
             w.wait_ready()
@@ -347,7 +520,8 @@ class PearlWorkers:
         """Give both workers shared buffers for ``n_rows`` probability rows (sampling)."""
         if self.backend != "processes" or n_rows <= self._rows:
             return
-        folder = self._folder[0] = self._folder[0] or _session_dir()
+        with _sigterm_deferred():  # the folder is recorded before anything can interrupt
+            folder = self._folder[0] = self._folder[0] or _session_dir()
         try:
             for w in (self.draft, self.target):
                 path = folder / f"{w.name}.rows"
@@ -375,12 +549,13 @@ class PearlWorkers:
 
     def close(self) -> None:
         """End both workers and remove every file this pool wrote (safe to call twice)."""
-        _shutdown(self._workers, self._folder)
+        _shutdown(self._workers, self._folder, self._term)
         self.draft = self.target = None
         self._rows = 0
         if self._moved_draft is not None:
             self.pair.draft.to(self._moved_draft)
             self._moved_draft = None
+        _raise_held_sigterm()
 
     def __enter__(self) -> PearlWorkers:
         return self.start()

@@ -30,19 +30,23 @@ from specstop.probs import accept_probability, residual_distribution
 __all__ = ["greedy_walk", "sampling_walk"]
 
 
-def greedy_walk(tree: TokenTree, target_argmax: list[int], eos: set[int]) -> tuple[list[int], int | None]:
+def greedy_walk(
+    tree: TokenTree, target_argmax: list[int], eos: set[int], *, start: int = 0
+) -> tuple[list[int], int | None]:
     """The longest root-to-node path matching the target's argmax.
 
     Args:
         tree: the verified tree.
         target_argmax: the target's argmax token at every node (node order, root first).
         eos: EOS ids (an accepted EOS ends the response).
+        start: the node to walk down from (default the root; target-initialized rounds walk below
+            each of their first-level candidates).
 
     Returns:
-        ``(path, final)``: accepted node indices (root excluded) and the target's token after them,
-        or None when the path ends with an accepted EOS.
+        ``(path, final)``: accepted node indices (``start`` excluded) and the target's token after
+        them, or None when the path ends with an accepted EOS.
     """
-    v, path = 0, []
+    v, path = start, []
     while True:
         want = target_argmax[v]
         child = next((c for c in tree.children[v] if tree.tokens[c] == want), None)
@@ -55,8 +59,9 @@ def greedy_walk(tree: TokenTree, target_argmax: list[int], eos: set[int]) -> tup
 
 
 def sampling_walk(
-    tree: TokenTree, target_probs: torch.Tensor, gen: torch.Generator, eos: set[int]
-) -> tuple[list[int], int | None]:
+    tree: TokenTree, target_probs: torch.Tensor, gen: torch.Generator, eos: set[int], *, start: int = 0,
+    sample_final: bool = True,
+):
     """The lossless multi-candidate walk (see the module docstring).
 
     Args:
@@ -64,11 +69,14 @@ def sampling_walk(
         target_probs: ``[num_nodes, V]`` the target's distribution at every node (root first).
         gen: the generator for the acceptance uniforms and the final sample.
         eos: EOS ids.
+        start: the node to walk down from (default the root).
+        sample_final: False returns the final distribution ``[V]`` (the last residual p) instead of a
+            sample from it (target-initialized rounds draw several tokens from it).
 
     Returns:
-        ``(path, final)`` as :func:`greedy_walk`.
+        ``(path, final)`` as :func:`greedy_walk` (``final`` a ``[V]`` tensor without ``sample_final``).
     """
-    v, path = 0, []
+    v, path = start, []
     while True:
         p = target_probs[v].float()
         accepted = None
@@ -87,6 +95,8 @@ def sampling_walk(
                 p = residual_distribution(p, q_i)
                 drawn[x] = True
         if accepted is None:
+            if not sample_final:
+                return path, p
             return path, int(torch.multinomial(p.to(gen.device), 1, generator=gen))
         path.append(accepted)
         v = accepted

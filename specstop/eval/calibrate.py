@@ -40,11 +40,12 @@ from specstop.eval.cost import CostModel
 from specstop.eval.cost_check import (
     decoder_problems,
     order_problems,
+    section_disagreement,
     spread_problems,
     table_problems,
     table_warnings,
 )
-from specstop.pair.compat import cache_kwarg
+from specstop.eval.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward, sync
 
 log = logging.getLogger("specstop")
 
@@ -54,9 +55,9 @@ DEFAULT_PROMPTS = (
     'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n',
     "Explain in one paragraph what a hash table is.\n",
 )
-K_GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 20)
-DRAFT_STEPS_PER_ROUND = 4
-MIN_ROUNDS = 3
+# Token-tree costs (the cost model's "tree" section): verified tree nodes N, draft frontier widths W.
+TREE_N_GRID = (1, 2, 4, 8, 16, 32)
+TREE_W_GRID = (1, 2, 4, 8, 16)
 
 
 def add_arguments(p) -> None:
@@ -73,6 +74,13 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", help="auto (this machine's fastest lossless dtype), float32, bfloat16, float16")
     p.add_argument("--checkpoint", action="append", default=None, metavar="[NAME=]PATH",
                    help="also time this stopping predictor's per-step decision (repeatable)")
+    p.add_argument("--no-tree", action="store_true",
+                   help="skip timing token-tree verification (N tree nodes in one target forward) and draft frontiers "
+                        "of W nodes (the cost model's 'tree' section; tree rounds are then priced from the K table)")
+    p.add_argument("--batch-grid", default=None, metavar="B,B,...",
+                   help="also time t_draft(B) and t_target(B, K) at these batch sizes (e.g. 1,2,4,8; the cost "
+                        "model's 'batch' section, which `specstop tune` turns into a schedule per batch size); "
+                        "off by default")
     p.add_argument("--no-pearl-split", action="store_true",
                    help="skip timing PEARL's core split (each model on its share of the cores, beside the other; "
                         "the replay then prices PEARL with perfect overlap)")
@@ -148,39 +156,6 @@ def build_context(tokenizer, prompts: list[str], length: int) -> list[int]:
     return ids
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Cached:
-    """A model with a KV cache filled to the context length; times feeds and rolls them back."""
-
-    def __init__(self, model, context: list[int]) -> None:
-        from transformers import DynamicCache
-
-        self.model = model
-        self.device = model.get_input_embeddings().weight.device
-        self.cache = DynamicCache(config=model.config)
-        self.length = len(context)
-        with torch.no_grad():
-            model(input_ids=torch.tensor([context], device=self.device), **cache_kwarg(self.model, self.cache),
-                  use_cache=True, logits_to_keep=1)
-
-    @torch.no_grad()
-    def time_feed(self, tokens: list[int]) -> tuple[float, int]:
-        """Seconds for one forward over ``tokens`` (greedy pick of the last row), then roll back."""
-        ids = torch.tensor([tokens], device=self.device)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        out = self.model(input_ids=ids, **cache_kwarg(self.model, self.cache), use_cache=True, logits_to_keep=len(tokens))
-        nxt = int(out.logits[0, -1].argmax())
-        _sync(self.device)
-        dt = time.perf_counter() - t0
-        self.cache.crop(self.length - self.cache.get_seq_length())  # transformers 5: negative = remove
-        return dt, nxt
-
-
 def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
               progress: bool = True, seed: int = 0) -> dict:
     """Raw timings ``{"draft": [s, ...], "target": {K: [s, ...]}, "rounds": R, "seconds": S}``."""
@@ -191,8 +166,8 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     block = context[context_tokens : context_tokens + n_block]
     if len(block) < n_block:
         raise UserError(f"context too short: need {context_tokens + n_block} tokens, have {len(context)}")
-    draft = _Cached(pair.draft, ctx)
-    target = _Cached(pair.target, ctx)
+    draft = CachedForward(pair.draft, ctx)
+    target = CachedForward(pair.target, ctx)
     # Warm-up: allocator, kernel choice (oneDNN primitives per shape), caches.
     draft.time_feed(block[:1])
     for k in sorted({0, 1, max(k_grid)}):
@@ -224,6 +199,66 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     return {"draft": draft_s, "target": target_s, "rounds": rounds, "seconds": time.perf_counter() - t_start}
 
 
+def _tree_parents(n: int) -> list[int]:
+    """Region parents of a tree verification block: the pending token (-1) and ``n`` nodes below it in
+    a binary tree (node i's parent is (i - 1) // 2), a shape between a chain and a star."""
+    return [-1] + [(i - 1) // 2 for i in range(1, n + 1)]
+
+
+def time_tree(pair, context: list[int], *, context_tokens: int, budget_s: float = 15.0, n_grid=TREE_N_GRID,
+              w_grid=TREE_W_GRID, progress: bool = True, seed: int = 0) -> dict:
+    """Token-tree costs at the calibration context: the ``tree`` section of the cost model.
+
+    Interleaved like :func:`time_pair` (every size once per round, shuffled; at least
+    :data:`MIN_ROUNDS` rounds, then until ``budget_s``), each forward rolled back by
+    :meth:`CachedForward.time_feed`:
+
+    * target: one forward over the pending token plus N tree nodes (``N + 1`` rows, the decoder's
+      verification block) under the tree mask, for N in ``n_grid``;
+    * draft: one forward over a frontier of W sibling nodes under the tree mask, for W in ``w_grid``.
+
+    Returns:
+        ``{"n_grid", "t_target_tree": {N: median s}, "w_grid", "t_draft_width": {W: median s},
+        "iqr": {"target:N" | "draft:W": [q25, q75]}, "rounds", "seconds", "method"}``.
+    """
+    n_grid, w_grid = sorted({int(n) for n in n_grid}), sorted({int(w) for w in w_grid})
+    need = max(max(n_grid) + 1, max(w_grid))
+    block = context[context_tokens : context_tokens + need]
+    if len(block) < need:
+        raise UserError(f"context too short for the tree block: need {context_tokens + need} tokens, have {len(context)}")
+    draft = CachedForward(pair.draft, context[:context_tokens])
+    target = CachedForward(pair.target, context[:context_tokens])
+    jobs = [("target", n, target, block[: n + 1], _tree_parents(n)) for n in n_grid]
+    jobs += [("draft", w, draft, block[:w], [-1] * w) for w in w_grid]
+    for _, _, model, tokens, parents in jobs:  # warm-up: kernel choice per shape
+        model.time_feed(tokens, parents)
+    samples: dict = {("target", n): [] for n in n_grid} | {("draft", w): [] for w in w_grid}
+    rng = random.Random(seed)
+    t_start, rounds = time.perf_counter(), 0
+    while True:
+        rng.shuffle(jobs)
+        for kind, size, model, tokens, parents in jobs:
+            samples[(kind, size)].append(model.time_feed(tokens, parents)[0])
+        rounds += 1
+        if rounds >= MIN_ROUNDS and time.perf_counter() - t_start >= budget_s:
+            break
+    if progress:
+        log.info("calibrate: token-tree costs timed in %d rounds", rounds)
+    return {
+        "n_grid": n_grid,
+        "t_target_tree": {n: float(np.median(samples[("target", n)])) for n in n_grid},
+        "w_grid": w_grid,
+        "t_draft_width": {w: float(np.median(samples[("draft", w)])) for w in w_grid},
+        # Spreads, for reading the medians (the tree table is not re-measured like the K table).
+        "iqr": {f"{kind}:{size}": [float(np.percentile(v, 25)), float(np.percentile(v, 75))]
+                for (kind, size), v in samples.items()},
+        "rounds": rounds,
+        "seconds": time.perf_counter() - t_start,
+        "method": "interleaved rounds, medians; target: pending token + N nodes (binary tree) under the tree "
+                  "mask; draft: W sibling nodes under the tree mask",
+    }
+
+
 def linfit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     """Least squares y = a + b x; returns (a, b, R^2)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
@@ -248,10 +283,10 @@ def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
     for r in range(repeats + 5):
         policy.reset()
         policy.should_stop(logits, hidden, position=0)  # j = 1 (hidden heads skip it)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         policy.should_stop(logits, hidden, position=1)
-        _sync(dev)
+        sync(dev)
         if r >= 5:
             ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
@@ -259,8 +294,8 @@ def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
 
 def machine_record(pair, context_tokens: int) -> dict:
     """Where the costs were measured (the cost model's ``machine``)."""
-    from specstop.pair.dtype_choice import cpu_flags, cpu_model_name
     from specstop.pair.fast_paths import single_row_record
+    from specstop.pair.hardware import cpu_flags, cpu_model_name
 
     dev = torch.device(pair.target_device)
     rec = {
@@ -348,6 +383,31 @@ def remeasure(pair, context: list[int], raw: dict, ks: list[int], *, context_tok
             "seconds": raw["seconds"] + again["seconds"]}
 
 
+def settle_order(pair, context: list[int], raw: dict, *, context_tokens: int, budget_s: float,
+                 progress: bool = True) -> dict:
+    """Order problems a re-measure left open, timed again side by side.
+
+    A re-measured K can contradict K that were not re-measured (a spread K = 0 re-measured at 0.247 s
+    against a K = 1 timed at 0.197 s in the first run): every K of such a problem is timed again in
+    one interleaved run and keeps only its new samples. Where the order problem recurs there, side
+    by side, it is the kernels' shape (reproduced, priced as measured); where it does not, it was noise.
+    """
+    reproduced = set(raw.get("reproduced") or [])
+    med = {k: float(np.median(v)) for k, v in raw["target"].items() if v}
+    open_ks = sorted({k for ks, _ in order_problems(med) if not set(ks) <= reproduced for k in ks})
+    if not open_ks:
+        return raw
+    log.info("calibrate: timing K = %s again side by side (an order problem is left)", ", ".join(map(str, open_ks)))
+    again = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=tuple(open_ks),
+                      progress=progress, seed=2)
+    target = {**raw["target"], **{k: list(v) for k, v in again["target"].items()}}
+    new_med = {k: float(np.median(v)) for k, v in again["target"].items()}
+    recurred = {k for ks, _ in order_problems(new_med) for k in ks}
+    return {**raw, "target": target, "remeasured": sorted(set(raw.get("remeasured") or []) | set(open_ks)),
+            "reproduced": sorted((reproduced - set(open_ks)) | recurred),
+            "seconds": raw["seconds"] + again["seconds"]}
+
+
 def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: int, tokens: int = 12) -> dict:
     """What the real decoder pays for rounds the table prices, at the calibration's context.
 
@@ -405,16 +465,20 @@ def pearl_split(pair, cost: CostModel, *, context_tokens: int) -> dict | None:
 
 def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
               policies: dict | None = None, name: str = "calibrated", progress: bool = True,
-              check_decoder: bool = True, measure_pearl: bool = False) -> tuple[CostModel, dict]:
+              check_decoder: bool = True, measure_pearl: bool = False,
+              measure_tree: bool = False) -> tuple[CostModel, dict]:
     """Time ``pair`` at ``context_tokens`` of context, re-measure suspect K once and check the table
     against the decoder; returns the measured :class:`CostModel` (its ``fit`` carries the check) and
-    the raw timings (for :func:`calibration_plot`)."""
+    the raw timings (for :func:`calibration_plot`). ``measure_tree`` adds the token-tree costs
+    (:func:`time_tree`, a quarter of ``budget_s``) as the cost model's ``tree`` section."""
     raw = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=k_grid, progress=progress)
     suspects = suspect_ks(raw)
     if suspects:
         log.info("calibrate: re-measuring K = %s (spread or order check failed)", ", ".join(map(str, suspects)))
         raw = remeasure(pair, context, raw, suspects, context_tokens=context_tokens, budget_s=budget_s / 2,
                         progress=progress)
+        raw = settle_order(pair, context, raw, context_tokens=context_tokens, budget_s=budget_s / 2,
+                           progress=progress)
     steps = {n: time_policy_step(p, pair) for n, p in (policies or {}).items()}
     cost = fit_cost(raw, name=name, machine=machine_record(pair, context_tokens), policy_steps=steps)
     if check_decoder:
@@ -429,7 +493,52 @@ def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float 
         split = pearl_split(pair, cost, context_tokens=context_tokens)
         if split:
             cost = replace(cost, pearl_split=split)
+    if measure_tree:
+        cost = replace(cost, tree=checked_side_table(
+            "token-tree", lambda: time_tree(pair, context, context_tokens=context_tokens, budget_s=budget_s / 4,
+                                            progress=progress), lambda t: tree_disagreement(t, cost)))
     return cost, raw
+
+
+def tree_disagreement(tree: dict, cost: CostModel) -> str | None:
+    """Where the tree table times the chain's forwards (a tree of N nodes in a chain = K = N; one
+    draft node = a draft step), do the two agree? One line if not."""
+    k_max = max((int(k) for k in cost.target_by_k or {}), default=0)
+    target = {int(n): t for n, t in tree["t_target_tree"].items() if int(n) <= k_max}
+    draft = {int(w): t for w, t in tree["t_draft_width"].items() if int(w) == 1}
+    problems = []
+    if out := section_disagreement(target, {n: cost.target_cost(n) for n in target}):
+        problems.append(f"target: {out[1]}")
+    if out := section_disagreement(draft, {1: cost.t_draft}):
+        problems.append(f"draft: {out[1]}")
+    return "; ".join(problems) or None
+
+
+def batch_disagreement(batch: dict, cost: CostModel) -> str | None:
+    """Does the batch table's B = 1 row agree with the K table it repeats? One line if not."""
+    one = batch["t_target"].get(1, batch["t_target"].get("1"))
+    if not one:
+        return None
+    out = section_disagreement(one, {k: cost.target_cost(int(k)) for k in one})
+    return f"B=1: {out[1]}" if out else None
+
+
+def checked_side_table(what: str, measure, disagreement) -> dict:
+    """``measure()`` a side table (token trees, batch sizes) and check it against the K table with
+    ``disagreement(table) -> str | None``; a table that disagrees is measured once more (a burst of
+    load is not a verdict), and what still disagrees is recorded under ``check`` and warned about.
+    """
+    table = measure()
+    problem = disagreement(table)
+    if problem:
+        log.info("calibrate: %s costs disagree with the K table (%s); measuring them once more", what, problem)
+        table = measure()
+        problem = disagreement(table)
+        if problem:
+            log.warning("calibrate: %s costs still disagree with the K table after a re-measure (%s); the "
+                        "machine was probably busy - rerun calibrate-cost on an idle machine", what, problem)
+    table["check"] = {"agrees_with_k_table": problem is None, "problem": problem}
+    return table
 
 
 def calibration_plot(path: Path, cost: CostModel, raw: dict) -> Path:
@@ -486,6 +595,11 @@ def run(args) -> int:
         raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
     if not args.budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    batch_grid = None
+    if args.batch_grid:  # checked before minutes of timing
+        from specstop.eval.batch_cost import parse_batch_grid, time_batch
+
+        batch_grid = parse_batch_grid(args.batch_grid)
     from specstop.outputs import check_writable
 
     check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
@@ -507,7 +621,12 @@ def run(args) -> int:
     for name, path in _named_checkpoints(args.checkpoint).items():
         policies[name] = _policy_from_checkpoint(path)
     cost, raw = calibrate(pair, context=context, context_tokens=n_ctx, budget_s=args.budget, k_grid=k_grid,
-                          policies=policies, name=Path(args.out).name, measure_pearl=not args.no_pearl_split)
+                          policies=policies, name=Path(args.out).name, measure_pearl=not args.no_pearl_split,
+                          measure_tree=not args.no_tree)
+    if batch_grid:
+        cost = replace(cost, batch=checked_side_table(
+            "batch", lambda: time_batch(pair, context, context_tokens=n_ctx, k_grid=k_grid, batch_sizes=batch_grid,
+                                        budget_s=args.budget), lambda b: batch_disagreement(b, cost)))
     cost.save(args.out)
     if not args.no_plot:
         png = calibration_plot(Path(args.out).with_suffix(".png"), cost, raw)
@@ -526,6 +645,10 @@ def run(args) -> int:
                  "%.3f s alone, %.3f s beside the draft (%.2fx the whole machine's)", m["workers"], m["draft_alone_s"],
                  m["draft_beside_target_s"], m["target_tokens"], m["target_alone_s"], m["target_beside_draft_s"],
                  cost.pearl_split["target_scale"])
+    if cost.tree:
+        log.info("token trees: target forward over N nodes %s; draft forward over W nodes %s",
+                 ", ".join(f"N={n}: {v:.3f} s" for n, v in cost.tree["t_target_tree"].items()),
+                 ", ".join(f"W={w}: {v:.3f} s" for w, v in cost.tree["t_draft_width"].items()))
     if not check["problems"]:
         agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
         log.info("cost table check passed%s%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",

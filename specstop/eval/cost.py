@@ -67,6 +67,15 @@ class CostModel:
             step on its share while the target runs, and the factor by which a target pass on its
             share (beside the draft) is slower than the same pass on the whole machine. None: PEARL
             is priced with perfect overlap on the whole machine (an idealisation, said so).
+        tree: token-tree costs measured by calibrate-cost (:func:`specstop.eval.calibrate.time_tree`):
+            ``{"n_grid": [N, ...], "t_target_tree": {N: s}, "w_grid": [W, ...], "t_draft_width": {W: s}}``
+            - one target forward over the pending token plus N tree nodes under the tree mask, and one
+            draft forward over a frontier of W nodes; read with :meth:`tree_target_cost` /
+            :meth:`tree_draft_cost`. None: tree rounds are priced from ``target_by_k`` and ``t_draft``.
+        batch: batch-aware costs measured by ``calibrate-cost --batch-grid``
+            (:func:`specstop.eval.batch_cost.time_batch`): ``{"batch_sizes", "k_grid", "t_draft": {B: s},
+            "t_target": {B: {K: s}}, "iqr", ...}`` (string keys once read from JSON); priced by
+            :mod:`specstop.eval.batch_schedule`. None: batch size 1 only.
     """
 
     t_draft: float
@@ -82,6 +91,8 @@ class CostModel:
     name: str = "custom"
     fit: dict | None = None
     pearl_split: dict | None = None
+    tree: dict | None = None
+    batch: dict | None = None
 
     def __post_init__(self) -> None:
         for f in ("t_draft", "t_target", "verify_per_token", "predictor_per_step", "t_target_single"):
@@ -137,6 +148,22 @@ class CostModel:
 
     def round_cost(self, k: int) -> float:
         return float(self.round_costs(int(k))[int(k)])
+
+    def tree_target_cost(self, n: float) -> float:
+        """One target forward verifying a token tree of ``n`` nodes: the measured ``tree`` table
+        interpolated in N (extrapolated along its last two points), else t_target(n)."""
+        table = (self.tree or {}).get("t_target_tree")
+        if not table or n <= 0:
+            return self.target_cost(int(round(n)))
+        return _interp_table(table, n)
+
+    def tree_draft_cost(self, w: float) -> float:
+        """One draft forward over a frontier of ``w`` nodes: the measured ``tree`` table interpolated
+        in W, else t_draft (the chain's one-token step)."""
+        table = (self.tree or {}).get("t_draft_width")
+        if not table:
+            return self.t_draft
+        return _interp_table(table, max(float(w), 1.0))
 
     @property
     def single_step(self) -> float:
@@ -234,6 +261,17 @@ class CostModel:
         from specstop.data_gen.storage import atomic_write_json
 
         atomic_write_json(Path(path), self.to_dict())
+
+
+def _interp_table(table: dict, x: float) -> float:
+    """Linear interpolation in a ``{size: seconds}`` table (JSON string keys allowed); beyond its last
+    point along the last two points' slope (never decreasing), below its first point flat."""
+    pts = sorted((float(k), float(v)) for k, v in table.items())
+    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    if x > xs[-1] and len(xs) >= 2:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return float(ys[-1] + slope * (x - xs[-1]))
+    return float(np.interp(x, xs, ys))
 
 
 # Presets (provenance "preset": reports priced with them say so in their first line).

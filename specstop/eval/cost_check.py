@@ -129,3 +129,31 @@ def require_usable(cost, *, force: bool = False, flag: str = "--force-cost") -> 
             "with it anyway"
         )
     return problems
+
+
+#: A side table (token trees, batch sizes) timed after the K table must agree with it where both
+#: time the same forward, within this ratio either way. They run different code paths (a tree mask,
+#: B copies of the context), so small differences are real; a burst of load on the machine is not.
+SECTION_TOLERANCE = 0.20
+
+
+def section_disagreement(measured: Mapping, reference: Mapping) -> tuple[float, str] | None:
+    """``(median ratio, one-line description)`` when ``measured`` and ``reference`` (both ``{size:
+    seconds}``) disagree beyond :data:`SECTION_TOLERANCE` on the sizes they share, else None.
+
+    The median over the shared sizes is used so one noisy size does not condemn a table, and a
+    table whose every entry ran under load (all ratios high) does not pass.
+    """
+    shared = sorted({float(k) for k in measured} & {float(k) for k in reference})
+    if not shared:
+        return None
+    m = {float(k): float(v) for k, v in measured.items()}
+    r = {float(k): float(v) for k, v in reference.items()}
+    ratios = [m[k] / r[k] for k in shared if r[k] > 0]
+    if not ratios:
+        return None
+    ratio = float(np.median(ratios))
+    if abs(ratio - 1.0) <= SECTION_TOLERANCE:
+        return None
+    sizes = ", ".join(f"{k:g}: {m[k]:.3f} vs {r[k]:.3f} s" for k in shared)
+    return ratio, f"median ratio {ratio:.2f} to the K table ({sizes})"

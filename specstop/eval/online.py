@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from specstop.eval.replay import add_hists
+from specstop.eval.step_timing import sync
 
 FLAG_TOLERANCE = 0.10
 CI = 0.90
@@ -122,12 +123,25 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
     return Method(name, fn, kind, spec, replay_speedup, same_prompts)
 
 
-def tree_round_seconds(cost, round_nodes: list[int], draft_forwards: int) -> float:
-    """The cost model's price of token-tree rounds: one target pass over each round's N nodes (plus
-    the token before them), t_target(N), and every draft forward - a round's catch-up feed plus its
-    tree expansions - at t_draft. A draft forward over a frontier of several nodes is priced as one
-    token's: the calibrated table has no per-width draft costs, so wide trees are priced low."""
+def tree_round_seconds(cost, round_nodes: list[int], draft_forwards: int,
+                       draft_width_hist: list[int] | None = None) -> float:
+    """The cost model's price of token-tree rounds.
+
+    With the cost model's measured ``tree`` section (calibrate-cost): each round's target forward over
+    its N nodes at the tree table's t_target_tree(N), and each draft forward at t_draft_width(W) for the
+    W nodes it fed (``draft_width_hist[W]`` forwards, catch-up feeds included; interpolated in N and W).
+    Without it (or without the widths): t_target(N) from the K table and every draft forward - a
+    round's catch-up feed plus its tree expansions - at t_draft, which prices wide frontiers low.
+    K = 0 rounds (target-only steps) cost t_target(0) either way.
+    """
     tree_rounds = sum(1 for n in round_nodes if n > 0)
+    if getattr(cost, "tree", None):
+        target = sum(cost.tree_target_cost(n) if n > 0 else cost.target_cost(0) for n in round_nodes)
+        if draft_width_hist:
+            draft = sum(c * cost.tree_draft_cost(w) for w, c in enumerate(draft_width_hist) if c)
+        else:
+            draft = (tree_rounds + draft_forwards) * cost.tree_draft_cost(1)
+        return float(target + draft)
     return float(sum(cost.target_cost(n) for n in round_nodes)) + (tree_rounds + draft_forwards) * cost.t_draft
 
 
@@ -139,7 +153,8 @@ def tree_method(name: str, decoder, *, cost=None, seed: int = 0) -> Method:
         res = decoder.generate(ids, max_new, seed=seed)
         t = res.timings
         priced = (None if cost is None
-                  else tree_round_seconds(cost, res.round_lengths, int(res.counters["draft_forwards"])))
+                  else tree_round_seconds(cost, res.round_lengths, int(res.counters["draft_forwards"]),
+                                          res.counters.get("draft_width_hist")))
         return Run(tokens=list(res.token_ids), seconds=t["total"], prefill=t["prefill"],
                    rounds=len(res.round_lengths), phases={k: v for k, v in t.items() if isinstance(v, float)},
                    round_seconds=float(sum(t["round_seconds"])), priced=priced)
@@ -162,7 +177,7 @@ def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=N
                           suppress_tokens=padded)
     x = torch.tensor([ids], device=pair.target_device)
     kw = {"assistant_model": assistant} if assistant is not None else {}
-    _sync(pair.target_device)
+    sync(pair.target_device)
     t0 = time.perf_counter()
     with torch.no_grad():
         if policy is not None:
@@ -170,7 +185,7 @@ def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=N
                 out = target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
         else:
             out = target.generate(x, attention_mask=torch.ones_like(x), generation_config=gc, **kw)
-    _sync(pair.target_device)
+    sync(pair.target_device)
     return Run(tokens=_strip_eos(out[0, len(ids):].tolist(), _eos(pair)), seconds=time.perf_counter() - t0)
 
 
@@ -229,11 +244,6 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
         if t in eos:
             return ids[: i + 1]
     return ids
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, repeats: int = 2,

@@ -3,7 +3,13 @@
 Writes the tuned-policy file of docs/design.md::
 
     {"schema_version": 1, "policies": {name: {"spec": PolicySpec dict, "validation": metrics}},
-     "best": name, "cost_model": CostModel dict, "dataset": path, "checkpoints": {name: path}}
+     "best": name, "cost_model": CostModel dict, "dataset": path, "checkpoints": {name: path},
+     "tree_policies": {"tree_opt": {"spec": {"kind": "tree", "policy": "mcsd:..."}, "validation": metrics}}}
+
+``tree_policies`` is filled when the cost model has a measured ``tree`` section
+(:mod:`specstop.eval.tree_tune`), else empty. ``batch_schedule`` (a static K and a confidence
+threshold + SL_max per batch size, :mod:`specstop.eval.batch_schedule`) is written when the cost model
+has a measured ``batch`` section (``calibrate-cost --batch-grid``).
 """
 
 from __future__ import annotations
@@ -113,6 +119,15 @@ def run(args) -> int:
             v["latency_per_token"],
             v["speedup"],
         )
+    for name, pol in tuned.get("tree_policies", {}).items():
+        v = pol["validation"]
+        log.info("%-18s %-40s latency/token %.5f  speedup %.3f (%s)", name, pol["spec"]["policy"],
+                 v["latency_per_token"], v["speedup"], "exact replay" if v["exact"] else "approximate replay")
+    for e in tuned.get("batch_schedule", {}).get("entries", []):
+        thr = e["threshold"]
+        log.info("batch %-3d static K=%d (speedup %.3f)%s", e["batch_size"], e["k"], e["predicted_speedup"],
+                 f"; confidence {thr['threshold']:.3f}, SL_max {thr['sl_max']} (speedup {thr['predicted_speedup']:.3f})"
+                 if thr else "")
     for name, why in tuned["skipped"].items():
         log.info("%-18s skipped: %s", name, why)
     log.info("best: %s -> %s", tuned["best"], out)
@@ -176,10 +191,27 @@ def tune_dataset(
                                paper_grid=SPECDECPP_GRID if meta["family"] == "specdecpp_resnet" else None)
         policies[name] = {"spec": spec.to_dict(), "validation": rec}
     best = min(policies, key=lambda n: policies[n]["validation"]["latency_per_token"])
+    # Token trees, when the cost model measured their costs. Kept apart from "policies" (chain
+    # PolicySpecs that eval and export replay); `specstop export --policy tree_opt` finds them here.
+    tree_policies = {}
+    if getattr(cost, "tree", None):
+        from specstop.eval.tree_tune import tune_tree
+
+        try:
+            tree_policies["tree_opt"] = tune_tree(data_dir, split, cost)
+        except UserError as err:
+            skipped["tree_opt"] = str(err)
+    # A schedule per batch size (static K, threshold and SL_max), when the cost model measured batch costs.
+    batch = None
+    if getattr(cost, "batch", None):
+        from specstop.eval.batch_schedule import batch_schedule
+
+        batch = batch_schedule(data, cost, k_max=k_max, sl_max_grid=sl_max_grid, layout=layout)
     return {
         "schema_version": TUNED_SCHEMA_VERSION,
         "policies": policies,
         "best": best,
+        "tree_policies": tree_policies,
         "cost_model": cost.to_dict(),
         # Absolute paths: the file is read from other directories (eval, export, another machine's shell).
         "dataset": str(Path(data_dir).resolve()),
@@ -192,4 +224,5 @@ def tune_dataset(
         "sampled_replay": ({"repeats": data.virtual_repeats, "theorem1": data.theorem1}
                            if getattr(data, "virtual_repeats", None) else None),
         "seconds": round(time.perf_counter() - t0, 3),
+        **({"batch_schedule": batch} if batch else {}),
     }

@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", metavar="[NAME=]PATH",
         help="the predictor's checkpoint (default: the tuned file's 'checkpoints' entry for the policy)",
     )
-    parser.add_argument("--policy", help="which tuned policy to export (default: the tuned file's 'best')")
+    parser.add_argument("--policy", help="which tuned policy to export (default: the tuned file's 'best'); "
+                        "tree_opt: the tuned token tree (tuned.json 'tree_policies')")
+    parser.add_argument("--node-head", default=None, metavar="CKPT",
+                        help="tree policies of the form tree:N only: export this tree_node_mlp checkpoint to steer the tree")
     parser.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, README.md, "
                         "custom_generate/; with --for also <engine>.json)")
     parser.add_argument(
@@ -38,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_deprecated_alias(parser, "--dataset", "--data", "dataset")
     parser.add_argument(
         "--for", dest="engines", type=_engines, default=None, metavar="ENGINES",
-        help="also write the tuned settings for these engines: comma list of hf, vllm, llamacpp, sglang, or all "
+        help="also write the tuned settings for these engines: comma list of hf, vllm, llamacpp, sglang, trtllm, or all "
              "(hf also gets the custom_generate export of the learned predictor)",
     )
     parser.add_argument("--draft-name", help="draft model (path, hub id or GGUF file) to write into engine commands")
@@ -100,11 +103,15 @@ def run(args: argparse.Namespace) -> int:
         dataset=args.dataset,
         allow_missing_pair=args.allow_missing_pair,
         overwrite=args.overwrite,
+        node_head=getattr(args, "node_head", None),
     )
     check = config.get("export_check")
     if check:
         print(f"export check: max abs diff {check['max_abs_diff']:.3g} on {check['batch']} inputs (limit 1e-6)")
     print(f"exported {config['name']} ({json.dumps(config['policy']['kind'])}) to {args.out}")
+    if config.get("tree"):
+        print(f"  token tree {config['tree']['policy']}{' + node head' if config['tree'].get('node_head') else ''}: "
+              f"specstop decode --policy {args.out} runs the tree decoder")
     print(f"  HF: target.generate(..., assistant_model=draft, custom_generate={args.out!r}, trust_remote_code=True)")
     if engines:
         _write_engines(args, engines, policy)

@@ -20,12 +20,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="static:4",
         help="static:K | heuristic[:START] | confidence[:TAU] | an export folder (default static:4); token trees: "
         "mcsd:K1,K2,... (MCSD k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); "
-        "parallel: pearl (window round(t_target / t_draft)) | pearl:GAMMA",
+        "parallel: pearl (window round(t_target / t_draft)) | pearl:GAMMA; an export of a tuned token tree "
+        "(specstop export --policy tree_opt) runs the tree decoder",
     )
     parser.add_argument(
         "--node-head", default=None, metavar="CKPT",
         help="tree:N only: grow the tree by this tree_node_mlp checkpoint's predicted path acceptance "
         "instead of the joint draft probability (still lossless)",
+    )
+    parser.add_argument(
+        "--target-init", type=int, default=None, metavar="T",
+        help="NOT LOSSLESS (changes the output, greedy included, for T >= 2): improved MCSD's target-initialized "
+        "multi-candidate generation - each round starts from T tokens of the target's distribution and emits the "
+        "one whose drafted continuation is accepted longest; mcsd:K1,K2,... policies only (T=1 is lossless)",
     )
     parser.add_argument(
         "--cost-model", default=None,
@@ -36,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pearl on CPU: D cores for the draft, T for the target (default: a quarter for the draft)")
     parser.add_argument("--pearl-no-pre-verify", action="store_true", help="pearl ablation: no pre-verify")
     parser.add_argument("--pearl-no-post-verify", action="store_true", help="pearl ablation: no post-verify")
+    parser.add_argument(
+        "--stop", default=None, metavar="POLICY",
+        help="pearl: end each window early when this stopping policy says stop (confidence:TAU | static:K | an "
+        "export folder); the rest of the window is not drafted, acceptance is unchanged (still lossless)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -81,7 +93,24 @@ def run(args: argparse.Namespace) -> int:
     check_range("--max-new-tokens", args.max_new_tokens, low=1)
     shape = parse_tree_policy(args.policy)  # before loading models: a malformed spec fails at once
     pearl = _pearl_options(args)
+    exported = _tree_export(args.policy)  # an export folder of a tuned token tree
+    if exported is not None:
+        shape = parse_tree_policy(exported[0])
     node_head = _node_head(args, shape)
+    if getattr(args, "target_init", None) is not None:
+        from specstop.decode.tree_shape import StaticTreeShape
+
+        if not isinstance(shape, StaticTreeShape):
+            raise UserError(f"--target-init grows a static k-config below the target's tokens; use --policy "
+                            f"mcsd:K1,K2,... (got {args.policy!r}) or drop --target-init")
+        check_range("--target-init", args.target_init, low=1)
+        if args.target_init >= 2:
+            print(f"--target-init {args.target_init}: target-initialized generation is NOT lossless - the output can "
+                  "differ from the target's own", file=sys.stderr)
+    if exported is not None and exported[1] is not None:
+        if node_head is not None:
+            raise UserError(f"{args.policy} carries its own node head; drop --node-head")
+        node_head = exported[1]
     if (shape is not None or pearl is not None) and (args.static_cache or args.compile):
         flag = "--compile" if args.compile else "--static-cache"
         kind = "tree" if shape is not None else "parallel"
@@ -94,11 +123,11 @@ def run(args: argparse.Namespace) -> int:
     from specstop.pair.context import check_fits
 
     if pearl is not None:
-        decoder = _pearl_decoder(pair, decoding, *pearl)
+        decoder = _pearl_decoder(pair, decoding, *pearl, allow_draft_mismatch=args.allow_draft_mismatch)
     elif shape is not None:
         if node_head is not None:
             node_head.check_pair(pair)
-        decoder = TreeDecoder(pair, shape, decoding, node_head=node_head)
+        decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
     else:
         policy = StoppingPolicy.load(
             args.policy,
@@ -135,6 +164,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tree_export(policy: str):
+    """``(tree policy text, node head or None)`` when ``policy`` is an export folder of a token tree, else None."""
+    from pathlib import Path
+
+    if not Path(policy).is_dir():
+        return None
+    from specstop.export.runtime import load_tree_export
+
+    return load_tree_export(policy)
+
+
 def _node_head(args: argparse.Namespace, shape):
     """The ``--node-head`` scorer (None without the flag); refused in one line for other policies."""
     if getattr(args, "node_head", None) is None:
@@ -157,6 +197,7 @@ def _pearl_options(args: argparse.Namespace):
     pearl_flags = [f for f, on in (("--pearl-cores", args.pearl_cores is not None),
                                    ("--pearl-no-pre-verify", args.pearl_no_pre_verify),
                                    ("--pearl-no-post-verify", args.pearl_no_post_verify),
+                                   ("--stop", args.stop is not None),
                                    ("--cost-model", args.cost_model is not None)) if on]
     if spec is None:
         if pearl_flags:
@@ -164,7 +205,13 @@ def _pearl_options(args: argparse.Namespace):
         return None
     if spec.gamma is not None and args.cost_model is not None:
         raise UserError(f"--policy {args.policy} fixes the window; drop --cost-model or use --policy pearl")
-    spec = PearlSpec(spec.gamma, not args.pearl_no_pre_verify, not args.pearl_no_post_verify)
+    stop = args.stop
+    if stop is not None:
+        from specstop.decode.pearl_server import load_stop_policy
+
+        # The form now (a malformed rule, a heuristic); the export's draft check once the pair is loaded.
+        load_stop_policy(stop, allow_draft_mismatch=True)
+    spec = PearlSpec(spec.gamma, not args.pearl_no_pre_verify, not args.pearl_no_post_verify, stop=stop)
     cost = None
     if args.cost_model is not None:
         from specstop.eval.tune_cli import load_cost_model_arg
@@ -177,7 +224,7 @@ def _pearl_options(args: argparse.Namespace):
     return spec, cores, cost
 
 
-def _pearl_decoder(pair, decoding, spec, cores, cost):
+def _pearl_decoder(pair, decoding, spec, cores, cost, *, allow_draft_mismatch: bool = False):
     """The PEARL decoder (workers not started yet); ``gamma_source`` says where its window comes from."""
     from specstop.decode.pearl import PearlDecoder
 
@@ -190,6 +237,6 @@ def _pearl_decoder(pair, decoding, spec, cores, cost):
                 f"{cost.draft_step * 1e3:.1f} ms) from cost model {cost.name}")
     elif spec.gamma is not None:
         line = f"PEARL window gamma={spec.gamma} as given"
-    decoder = PearlDecoder(pair, spec, decoding, cores=cores)
+    decoder = PearlDecoder(pair, spec, decoding, cores=cores, allow_draft_mismatch=allow_draft_mismatch)
     decoder.gamma_source = line  # None: measured when the workers start
     return decoder

@@ -18,26 +18,32 @@ config.json (schema version 1)::
     pair:       {name, draft: ModelIdentity, target: ModelIdentity, tokenizer_hash}
     source:     {checkpoint, tuned, dataset}
     export_check: {batch, max_abs_diff}
+    tree:       {policy: "mcsd:..." | "tree:N,W,D", node_head: {family, config, weights} | null} (token-tree
+                exports only; ``policy`` above is then the tuned chain fallback for chain-only consumers)
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from specstop import __version__
 from specstop.config_io import read_json, resolve_tuned_paths
 from specstop.errors import MissingInputError, UserError
-from specstop.export.hub import MODEL_TYPE, front_matter, write_custom_generate
-from specstop.export.runtime import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME, StoppingPolicy
+from specstop.export.folder import (
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    NODE_HEAD_NAME,
+    export_config,
+    is_export_file,
+    write_export_files,
+)
+from specstop.export.runtime import StoppingPolicy, load_tree_export
 from specstop.models import StoppingPredictor, build_predictor
 from specstop.pair.identity import check_same_pair
 from specstop.policy import PolicySpec
@@ -176,6 +182,8 @@ def export_policy(
     source: dict | None = None,
     allow_missing_pair: bool = False,
     overwrite: bool = False,
+    tree: str | None = None,
+    node_head: StoppingPredictor | None = None,
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
@@ -192,10 +200,18 @@ def export_policy(
         allow_missing_pair: write an export without pair identities (the runtime can then not
             refuse a wrong draft; only for tests and demos).
         overwrite: replace an existing non-empty ``out``.
+        tree: a token-tree policy (``mcsd:...`` / ``tree:N,W,D``): ``specstop decode --policy OUT`` then
+            runs the tree decoder; ``spec`` stays the chain policy chain-only consumers use.
+        node_head: a ``tree_node_mlp`` predictor steering a dynamic ``tree`` (its weights are exported).
 
     Raises:
         ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
     """
+    if node_head is not None:
+        from specstop.decode.tree_shape import DynamicTreeShape, parse_tree_policy
+
+        if not isinstance(parse_tree_policy(tree or ""), DynamicTreeShape):
+            raise ExportError(f"a node head steers dynamic trees (tree:N); {tree or spec.label} is not one - drop --node-head")
     if spec.kind == "predictor" and predictor is None:
         raise ExportError(f"policy {spec.label} is a learned predictor: give its --checkpoint")
     if spec.kind != "predictor" and predictor is not None:
@@ -219,14 +235,17 @@ def export_policy(
         spec, predictor, name=name, pair=pair, decoding=decoding, cost_model=cost_model, validation=validation,
         label=label, source=source,
     )
+    if tree is not None:
+        config["tree"] = {"policy": tree, "node_head": None if node_head is None else {
+            "family": node_head.family, "config": node_head.config_dict(), "weights": NODE_HEAD_NAME,
+            "num_parameters": int(sum(p.numel() for p in node_head.parameters()))}}
     final = Path(out)
     check_export_target(final, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        # custom_generate/generate.py names the folder it will live in, not the temporary one.
-        config = write_export_folder(tmp, config, predictor, location=str(final.resolve()))
+        config = write_export_folder(tmp, config, predictor, node_head=node_head)
         _replace_folder(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -246,9 +265,7 @@ def is_export_folder(folder: Path) -> bool:
         return False
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         return False
-    ours = {CONFIG_NAME, WEIGHTS_NAME, "README.md", "custom_generate", ".gitattributes"}
-    ours |= {f"{engine}.json" for engine in ("hf", "vllm", "llamacpp", "sglang")}
-    return all(p.name in ours for p in folder.iterdir())
+    return all(is_export_file(p.name) for p in folder.iterdir())
 
 
 def check_export_target(final: Path, overwrite: bool) -> None:
@@ -292,88 +309,30 @@ def _replace_folder(new: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_config(
-    spec: PolicySpec,
-    predictor: StoppingPredictor | None = None,
-    *,
-    name: str | None = None,
-    pair: dict | None = None,
-    decoding: dict | None = None,
-    cost_model: dict | None = None,
-    validation: dict | None = None,
-    label: str | None = None,
-    source: dict | None = None,
-) -> dict[str, Any]:
-    """The ``config.json`` of an export (schema in the module docstring)."""
-    config: dict[str, Any] = {
-        "format": EXPORT_FORMAT,
-        "model_type": MODEL_TYPE,
-        "schema_version": SCHEMA_VERSION,
-        "specstop_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "name": name or spec.label,
-        "policy": spec.to_dict(),
-        "predictor": None,
-        "features": None,
-        "decoding": decoding,
-        "cost_model": cost_model,
-        "validation": validation,
-        "pair": pair,
-        "source": source or {},
-        "export_check": None,
-    }
-    if predictor is not None:
-        config["predictor"] = {
-            "family": predictor.family,
-            "config": predictor.config_dict(),
-            "label": label,
-            "num_parameters": int(sum(p.numel() for p in predictor.parameters())),
-            "weights": WEIGHTS_NAME,
-            "dtype": "float32",
-        }
-        config["features"] = predictor.feature_spec.to_dict()
-    return config
-
-
 def write_export_folder(
-    out: str | Path, config: dict, predictor: StoppingPredictor | None = None, *, location: str | None = None
+    out: str | Path, config: dict, predictor: StoppingPredictor | None = None, *,
+    node_head: StoppingPredictor | None = None,
 ) -> dict:
-    """Write ``config.json``, ``model.safetensors``, the model card and ``custom_generate/``; validate.
+    """Write an export folder (:func:`~specstop.export.folder.write_export_files`) and check it loads.
 
-    Args:
-        out: the folder (created; existing export files in it are overwritten).
-        config: the export config (:func:`export_config`, or a loaded export's).
-        predictor: the learned predictor, None for rule-only policies.
-        location: where ``custom_generate/generate.py`` finds this policy (default: ``out``'s absolute
-            path; ``push_to_hub`` writes the repo id).
+    A learned predictor's written weights must reproduce it (the config's ``export_check``); a
+    rule-only config must load; a token-tree export's tree policy and node head must load.
 
     Returns:
         The written config (with ``export_check`` filled for learned policies).
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = {**config, "model_type": MODEL_TYPE}
-    if config.get("predictor"):  # the weights are always written under their standard name
-        config["predictor"] = {**config["predictor"], "weights": WEIGHTS_NAME}
-    weights = out / WEIGHTS_NAME
-    if predictor is not None:
-        from safetensors.torch import save_file
 
-        predictor = predictor.float().eval()
-        state = {k: v.detach().cpu().contiguous() for k, v in predictor.state_dict().items()}
-        save_file(state, str(weights), metadata={"format": "pt", "family": predictor.family})
-    elif weights.exists():
-        weights.unlink()  # a stale predictor from an earlier export must not sit next to a rule-only config
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
-    if predictor is not None:
-        diff = validate_export(out, predictor)
-        config["export_check"] = {"batch": 256, "max_abs_diff": diff}
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    else:
-        StoppingPolicy.from_pretrained(out)  # the config must at least load
-    write_custom_generate(out, location or str(out.resolve()))
-    (out / "README.md").write_text(front_matter(config) + model_card(config))
-    return config
+    def check(folder: Path, written: dict) -> dict:
+        if predictor is not None:
+            diff = validate_export(folder, predictor)
+            written = {**written, "export_check": {"batch": 256, "max_abs_diff": diff}}
+        else:
+            StoppingPolicy.from_pretrained(folder)  # the config must at least load
+        if written.get("tree") is not None:
+            load_tree_export(folder)  # the tree policy (and its node head) must load too
+        return written
+
+    return write_export_files(out, config, predictor, node_head=node_head, after_weights=check)
 
 
 def export_from_files(
@@ -385,14 +344,28 @@ def export_from_files(
     dataset: str | Path | None = None,
     allow_missing_pair: bool = False,
     overwrite: bool = False,
+    node_head: str | Path | None = None,
 ) -> dict:
-    """The CLI's work: pick a policy from ``tuned``, load its checkpoint, export."""
+    """The CLI's work: pick a policy from ``tuned``, load its checkpoint, export.
+
+    A tuned token-tree policy (``tuned["tree_policies"]``, e.g. ``--policy tree_opt``) is exported with
+    the tuned ``static_opt`` chain policy as its ``policy`` (for chain-only consumers) and the tree in
+    ``tree``; ``node_head`` (a ``tree_node_mlp`` checkpoint) steers a dynamic tree.
+    """
     t = read_tuned(tuned)
     name = policy or t.get("best")
+    trees = t.get("tree_policies") or {}
+    choices = sorted(t["policies"]) + sorted(trees)
     if not name:
-        raise ExportError(f"{tuned} names no 'best' policy: pass --policy NAME (one of {sorted(t['policies'])})")
+        raise ExportError(f"{tuned} names no 'best' policy: pass --policy NAME (one of {choices})")
+    if node_head is not None and name not in trees:
+        raise ExportError(f"--node-head steers token trees; policy {name!r} is not a tuned tree policy (have: "
+                          f"{sorted(trees) or 'none'}) - drop --node-head")
+    if name in trees and name not in t["policies"]:
+        return _export_tree(out, t, name, tuned=tuned, node_head=node_head, dataset=dataset,
+                            allow_missing_pair=allow_missing_pair, overwrite=overwrite)
     if name not in t["policies"]:
-        raise ExportError(f"policy {name!r} is not in {tuned}; choose from {sorted(t['policies'])}")
+        raise ExportError(f"policy {name!r} is not in {tuned}; choose from {choices}")
     entry = t["policies"][name]
     try:
         spec = PolicySpec.from_dict((entry or {}).get("spec") if isinstance(entry, dict) else entry)
@@ -438,64 +411,36 @@ def export_from_files(
     )
 
 
-def model_card(config: dict) -> str:
-    """The README.md written next to config.json."""
-    spec = config["policy"]
-    pred = config.get("predictor")
-    pair = config.get("pair") or {}
-    draft = (pair.get("draft") or {}).get("name_or_path", "unknown")
-    target = (pair.get("target") or {}).get("name_or_path", "unknown")
-    lines = [
-        f"# specstop stopping policy: {config['name']}",
-        "",
-        "A speculative-decoding stopping policy exported by "
-        f"[specstop](https://example.invalid/specstop) {config['specstop_version']} on {config['created']}.",
-        "It decides after each drafted token whether to stop drafting and let the target verify.",
-        "",
-        "| field | value |",
-        "|---|---|",
-        f"| policy | `{spec['kind']}` (rule `{spec['rule']}`, threshold {spec['threshold']}, SL_max {spec['sl_max']}) |",
-        f"| draft | `{draft}` |",
-        f"| target | `{target}` |",
-        f"| tokenizer hash | `{pair.get('tokenizer_hash')}` |",
-        f"| label decoding | `{json.dumps(config.get('decoding'))}` |",
-    ]
-    if pred:
-        lines += [
-            f"| family | `{pred['family']}` ({pred['num_parameters']} parameters, label `{pred['label']}`) |",
-            f"| features | `{json.dumps(config.get('features'))}` |",
-            f"| export check | max abs diff {config['export_check']['max_abs_diff']:.3g} on {config['export_check']['batch']} inputs |",
-        ]
-    lines += [
-        f"| cost model | `{json.dumps(config.get('cost_model'))}` |",
-        f"| validation | `{json.dumps(config.get('validation'))}` |",
-        "",
-        "## Use",
-        "",
-        "With transformers (assisted generation; the policy decides each round's draft length):",
-        "",
-        "```python",
-        "out = target.generate(**inputs, assistant_model=draft, custom_generate=REPO_OR_DIR,",
-        "                      trust_remote_code=True, max_new_tokens=128)",
-        "```",
-        "",
-        "In your own decoding loop:",
-        "",
-        "```python",
-        "from specstop.export.runtime import StoppingPolicy",
-        "policy = StoppingPolicy.from_pretrained(REPO_OR_DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
-        "policy.start_sequence()            # each new sequence",
-        "policy.reset()                     # each round",
-        "stop = policy.should_stop(draft_logits, draft_hidden_prev, position)",
-        "policy.end_round(num_drafted, num_accepted)",
-        "```",
-        "",
-        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`. `specstop export --for hf|vllm|llamacpp|sglang`",
-        "writes the tuned settings other engines accept.",
-        "",
-        "The runtime imports only torch and safetensors. It refuses a different draft model or tokenizer",
-        "(override: `allow_draft_mismatch=True`) and unknown schema versions. Decoding with this policy is",
-        "lossless: the policy changes only how many tokens are drafted, never which tokens are emitted.",
-        "",
-    ]
-    return "\n".join(lines)
+def _export_tree(out, t: dict, name: str, *, tuned, node_head, dataset, allow_missing_pair: bool,
+                 overwrite: bool) -> dict:
+    """Export the tuned tree policy ``name`` (see :func:`export_from_files`)."""
+    from specstop.decode.tree_shape import parse_tree_policy
+
+    entry = t["tree_policies"][name]
+    text = str((entry.get("spec") or {}).get("policy") or "")
+    try:
+        if parse_tree_policy(text) is None:
+            raise UserError(f"{text!r} is not a tree policy (mcsd:... or tree:N)")
+    except UserError as err:
+        raise ExportError(f"{tuned}: tree policy {name!r}: {err}; rerun `specstop tune`") from None
+    chain = (t["policies"].get("static_opt") or {}).get("spec")
+    spec = PolicySpec.from_dict(chain) if chain else PolicySpec(kind="static", k=4)
+    head, meta = (None, {}) if node_head is None else load_checkpoint(node_head)
+    ds = dataset or t.get("dataset")
+    manifest = _read_manifest(ds)
+    if head is not None:
+        ckpt_ds = meta.get("dataset")
+        try:
+            check_same_pair(
+                ckpt_ds.get("pair") if isinstance(ckpt_ds, dict) else None, (manifest or {}).get("pair"),
+                what=f"node head {node_head} was trained on data from another model pair than {ds} holds",
+                fix="train the node head on this pair's data",
+            )
+        except UserError as err:
+            raise ExportError(str(err)) from None
+    return export_policy(
+        out, spec=spec, name=name, pair=_pair_info({}, manifest), decoding=_decoding_info({}, manifest),
+        cost_model=t.get("cost_model"), validation=entry.get("validation"),
+        source={"checkpoint": str(node_head) if node_head else None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
+        allow_missing_pair=allow_missing_pair, overwrite=overwrite, tree=text, node_head=head,
+    )

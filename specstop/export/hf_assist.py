@@ -22,7 +22,7 @@ Injection: :func:`use_policy` temporarily replaces the target's ``_get_candidate
 (the method ``_assisted_decoding`` calls to build its candidate generator) on that model instance;
 :func:`assisted_generate` wraps ``target.generate`` in it.
 
-Supported transformers versions: 5.x (tested with 5.23). The hook relies on
+Supported transformers versions: 5.x (tested with 5.23 and 5.24). The hook relies on
 ``GenerationMixin._get_candidate_generator(generation_config, input_ids, inputs_tensor,
 logits_processor, model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer)`` and the
 ``AssistedCandidateGenerator`` attributes ``main_model_max_length``, ``logits_processor``,
@@ -42,14 +42,14 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
 from specstop.errors import UserError
-from specstop.export.runtime import StoppingPolicy
+from specstop.export.runtime import DraftMismatchError, StoppingPolicy, check_policy_inputs, identity_matches
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.fast_paths import contiguous_output_head
 from specstop.probs import DecodingConfig, logits_to_probs
 
 __all__ = [
-    "PolicyCandidateGenerator", "assisted_generate", "decoding_from_generation_config", "generate_with_policy",
-    "use_policy",
+    "PolicyCandidateGenerator", "assistant_identity", "assisted_generate", "check_assistant",
+    "decoding_from_generation_config", "generate_with_policy", "use_policy",
 ]
 
 
@@ -176,17 +176,24 @@ class PolicyCandidateGenerator(AssistedCandidateGenerator):
 
 
 @contextmanager
-def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None) -> Iterator[dict]:
+def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None, *,
+               allow_draft_mismatch: bool = False) -> Iterator[dict]:
     """Within the block, ``target.generate(..., assistant_model=draft)`` drafts with ``policy``.
 
+    The first ``generate`` call checks that ``assistant_model`` is the draft the policy was exported
+    for (:func:`check_assistant`), as the runtime does; ``allow_draft_mismatch=True`` skips that.
     Yields a dict that receives the candidate generator (``"generator"``) for counters/timings.
     """
     info: dict = {}
+    checked: set[int] = set()  # drafts already checked in this block (fingerprinting reads weights)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if assistant_model is None or (target_tokenizer is not None and assistant_tokenizer is not None):
             raise UserError("specstop policies drive assisted generation with a same-tokenizer assistant_model only")
+        if id(assistant_model) not in checked:
+            check_assistant(policy, assistant_model, allow_draft_mismatch=allow_draft_mismatch)
+            checked.add(id(assistant_model))
         gen = PolicyCandidateGenerator(
             input_ids=input_ids,
             assistant_model=assistant_model,
@@ -214,10 +221,10 @@ def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None) ->
 
 
 def assisted_generate(target, draft, policy: StoppingPolicy, input_ids: torch.Tensor, *, vocab_size: int | None = None,
-                      **generate_kwargs):
+                      allow_draft_mismatch: bool = False, **generate_kwargs):
     """``target.generate(input_ids, assistant_model=draft, **generate_kwargs)`` with ``policy`` deciding
     the draft lengths. Returns what ``generate`` returns."""
-    with use_policy(target, policy, vocab_size=vocab_size):
+    with use_policy(target, policy, vocab_size=vocab_size, allow_draft_mismatch=allow_draft_mismatch):
         return target.generate(input_ids, assistant_model=draft, **generate_kwargs)
 
 
@@ -243,17 +250,55 @@ def generate_with_policy(model, *args, policy, assistant_model=None, vocab_size:
             "assistant_model=... together with custom_generate=..."
         )
     if not isinstance(policy, StoppingPolicy):
-        policy = StoppingPolicy.from_pretrained(
-            policy, draft_identity=_structural_identity(assistant_model),
-            allow_draft_mismatch=allow_draft_mismatch, device=assistant_model.device,
-        )
-    with use_policy(model, policy, vocab_size=vocab_size or policy.vocab_size):
+        # The draft check runs once, in use_policy, for folders and loaded policies alike.
+        policy = StoppingPolicy.from_pretrained(policy, device=assistant_model.device)
+    with use_policy(model, policy, vocab_size=vocab_size or policy.vocab_size, allow_draft_mismatch=allow_draft_mismatch):
         return model.generate(*args, assistant_model=assistant_model, **generate_kwargs)
 
 
-def _structural_identity(model) -> dict:
-    """The draft's architecture and size (not its name: a hub id and a local copy are the same model)."""
-    from specstop.pair.loader import model_identity
+#: What identifies a draft on the HF path: not its name (a hub id and a local copy of it are the
+#: same model), but its architecture, sizes and weights fingerprint - the fields the runtime's
+#: ``identity_matches`` compares.
+_IDENTITY_KEYS = ("architecture", "hidden_size", "num_hidden_layers", "num_parameters", "weights_sha256")
 
-    ident = model_identity(model, "").to_dict()
-    return {k: ident[k] for k in ("architecture", "hidden_size", "num_hidden_layers", "num_parameters")}
+
+def assistant_identity(model) -> dict:
+    """The identity of an ``assistant_model`` that an export's recorded draft is compared with.
+
+    The weights fingerprint is the one ``specstop`` records for a pair loaded from files: of the
+    model's weight files when ``model.name_or_path`` is a local folder or a cached hub id (the way
+    ``from_pretrained`` loads), else of its tensors in memory. Each kind is only compared with its
+    own kind (:func:`specstop.export.runtime.identity_matches`).
+    """
+    from specstop.pair.loader import model_identity
+    from specstop.pair.sources import weights_folder
+
+    name = str(getattr(model, "name_or_path", "") or "")
+    folder = weights_folder(name) if name else None
+    ident = model_identity(model, "", weights_path=folder).to_dict()
+    return {k: ident[k] for k in _IDENTITY_KEYS}
+
+
+def check_assistant(policy: StoppingPolicy, assistant_model, *, allow_draft_mismatch: bool = False) -> None:
+    """Refuse an ``assistant_model`` other than the draft the policy's export records.
+
+    The same comparison as ``StoppingPolicy.from_pretrained(draft_identity=...)`` (architecture,
+    sizes, and the weights fingerprint, which catches a same-shaped draft with other weights).
+    Policies without a recorded pair (``static:4``, ``confidence:0.4``) accept any draft.
+
+    Raises:
+        DraftMismatchError: another draft, unless ``allow_draft_mismatch``.
+        UserError: a predictor that reads hidden states of another width (even with
+            ``allow_draft_mismatch``: that cannot run).
+    """
+    pair = (policy.config or {}).get("pair") or {}
+    if pair.get("draft") and not allow_draft_mismatch:
+        ok, why = identity_matches({"draft": assistant_identity(assistant_model)}, pair)
+        if not ok:
+            raise DraftMismatchError(
+                f"assistant_model is not the draft this policy was exported for ({why}); pass that draft as "
+                "assistant_model=..., or allow_draft_mismatch=True to run the policy on this one anyway"
+            )
+    text_cfg = assistant_model.config.get_text_config() if hasattr(assistant_model.config, "get_text_config") \
+        else assistant_model.config
+    check_policy_inputs(policy, getattr(text_cfg, "hidden_size", None), "the policy")

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from specstop.errors import MissingInputError
+from specstop.errors import MissingInputError, UserError
 
 #: ``config.json``'s ``model_type`` (the Hub and AutoConfig-style tools key on it).
 MODEL_TYPE = "specstop_stopping_policy"
@@ -28,24 +28,28 @@ _GENERATE_PY = '''"""transformers ``custom_generate`` entry point of a specstop 
 Runs transformers' assisted generation with the draft length of every round decided by the
 stopping policy stored in this repository (config.json, model.safetensors): the predictor scores
 each drafted token and drafting stops when the tuned rule says so. Decoding stays lossless.
-Needs ``pip install specstop``. Pass ``stopping_policy=DIR_OR_REPO_ID`` when this folder was moved
-(the default below is where it was written or pushed).
+Needs ``pip install specstop`` (the core install is enough). The policy is read from the folder or
+repository ``custom_generate=`` named, wherever it was moved or pushed; ``stopping_policy=DIR_OR_REPO_ID``
+picks another one.
 """
-
-POLICY_LOCATION = {location!r}
 
 
 def generate(model, *args, stopping_policy=None, **kwargs):
-    from specstop.export.hf_assist import generate_with_policy
+    import specstop
 
-    return generate_with_policy(model, *args, policy=stopping_policy or POLICY_LOCATION, **kwargs)
+    policy = stopping_policy or specstop.custom_generate_source()
+    return specstop.generate_with_policy(model, *args, policy=policy, **kwargs)
 '''
 
-_REQUIREMENTS = "# specstop provides the runtime this entry point calls\nspecstop\n"
+_REQUIREMENTS = "# specstop's core install provides the runtime this entry point calls\nspecstop\n"
 
 
-def write_custom_generate(folder: str | Path, location: str) -> Path:
-    """Write ``folder/custom_generate/generate.py`` pointing at ``location`` (a folder or hub id).
+def write_custom_generate(folder: str | Path) -> Path:
+    """Write ``folder/custom_generate/generate.py`` (and its requirements.txt).
+
+    The file names no path and no repository: :func:`custom_generate_source` finds the policy from
+    the ``custom_generate=`` argument at call time, so a moved folder or a pushed repository works
+    as written.
 
     Returns:
         The path of ``generate.py``.
@@ -53,9 +57,33 @@ def write_custom_generate(folder: str | Path, location: str) -> Path:
     cg = Path(folder) / CUSTOM_GENERATE_DIR
     cg.mkdir(parents=True, exist_ok=True)
     path = cg / "generate.py"
-    path.write_text(_GENERATE_PY.format(location=str(location)))
+    path.write_text(_GENERATE_PY)
     (cg / "requirements.txt").write_text(_REQUIREMENTS)
     return path
+
+
+def custom_generate_source() -> str:
+    """The folder or hub id that the running ``generate(custom_generate=...)`` call named.
+
+    transformers copies ``custom_generate/generate.py`` into its module cache before running it and
+    does not pass ``custom_generate`` on, so the file cannot know where its policy lives. The value
+    is still a local of the ``generate`` frame that loaded it, a few frames up: read it there.
+
+    Raises:
+        UserError: not called under ``generate(custom_generate=...)`` (pass ``stopping_policy=``).
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        value = frame.f_locals.get("custom_generate") if frame.f_code.co_name == "generate" else None
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+        frame = frame.f_back
+    raise UserError(
+        "no generate(custom_generate=...) call found to read the stopping policy's location from; "
+        "pass stopping_policy=EXPORT_DIR_OR_REPO_ID"
+    )
 
 
 def is_local_name(name: str | None) -> bool:

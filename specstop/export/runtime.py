@@ -40,6 +40,15 @@ import torch
 from huggingface_hub import ModelHubMixin
 
 from specstop.errors import MissingInputError, UserError
+from specstop.export.folder import (
+    CONFIG_NAME,
+    EXPORT_FORMAT,
+    NODE_HEAD_NAME,
+    SCHEMA_VERSION,
+    WEIGHTS_NAME,
+    export_config,
+    write_export_files,
+)
 from specstop.export.hub import LIBRARY_NAME, resolve_folder
 from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
 from specstop.names import confined_file
@@ -50,16 +59,14 @@ __all__ = [
     "CONFIG_NAME",
     "EXPORT_FORMAT",
     "SCHEMA_VERSION",
+    "NODE_HEAD_NAME",
     "WEIGHTS_NAME",
     "DraftMismatchError",
     "StoppingPolicy",
     "identity_matches",
+    "load_tree_export",
 ]
 
-SCHEMA_VERSION = 1
-EXPORT_FORMAT = "specstop-stopping-policy"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class DraftMismatchError(UserError):
@@ -140,7 +147,7 @@ def _read_config(cfg_path: Path) -> dict:
 # newer writer, and a reader that ignored it could run with settings the file does not mean.
 CONFIG_KEYS = frozenset({
     "format", "model_type", "schema_version", "specstop_version", "created", "name", "policy", "predictor",
-    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check",
+    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree",
 })
 PREDICTOR_KEYS = frozenset({"family", "config", "label", "num_parameters", "weights", "dtype"})
 
@@ -217,6 +224,35 @@ def _load_predictor(path: Path, cfg_path: Path, pred_cfg: Any) -> StoppingPredic
             "edited or mixed with another one - re-export it with `specstop export`"
         ) from None
     return predictor
+
+
+def load_tree_export(path: str | Path):
+    """The token-tree policy of an export folder: ``(policy text, node head scorer or None)``, or None
+    when the export is a chain policy (no ``tree`` entry in its config).
+
+    Raises:
+        UserError: a malformed ``tree`` entry or node head (re-export).
+    """
+    path = Path(path)
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        return None
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise UserError(f"{cfg_path} is not valid JSON ({err}); re-export the policy") from None
+    tree = config.get("tree") if isinstance(config, dict) else None
+    if tree is None:
+        return None
+    if not isinstance(tree, dict) or not isinstance(tree.get("policy"), str):
+        raise UserError(f"{cfg_path}: 'tree' must hold the tree policy text (mcsd:... or tree:N); re-export it")
+    head = None
+    if tree.get("node_head") is not None:
+        from specstop.decode.node_head import NodeHeadScorer
+
+        predictor = _load_predictor(path, cfg_path, tree["node_head"]).eval()
+        head = NodeHeadScorer(predictor, {"dataset": {"pair": config.get("pair")}}, f"{path} node head")
+    return tree["policy"], head
 
 
 def _same_name(a: str, b: str) -> bool:
@@ -379,22 +415,8 @@ class StoppingPolicy(
     # ------------------------------------------------------------------ hub (save / push)
     def _save_pretrained(self, save_directory: Path) -> None:
         """Write this policy as an export folder (the layout ``specstop export`` writes)."""
-        from specstop.export.export import export_config, write_export_folder
-
         config = self.config or export_config(self.spec, self.predictor, name=self.spec.label)
-        write_export_folder(save_directory, config, self.predictor, location=getattr(self, "_push_repo_id", None))
-
-    def push_to_hub(self, repo_id: str, **kwargs) -> str:
-        """Upload the export folder to ``repo_id`` (``huggingface_hub.ModelHubMixin.push_to_hub``).
-
-        The uploaded ``custom_generate/generate.py`` points at ``repo_id``, so
-        ``generate(custom_generate=repo_id, trust_remote_code=True)`` finds the policy.
-        """
-        self._push_repo_id = repo_id
-        try:
-            return super().push_to_hub(repo_id, **kwargs)
-        finally:
-            del self._push_repo_id
+        write_export_files(save_directory, config, self.predictor)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:

@@ -19,16 +19,25 @@ top-2 logits (nearly) tie; benchmarks list such flips with their logit gap.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from specstop.pair.hardware import cached_check, cpu_flags, cpu_model_name, store_check
+
 log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 WORKLOADS = ("decode", "generate")
@@ -50,56 +59,6 @@ class DtypeChoice:
         d = asdict(self)
         d["flags"] = list(self.flags)
         return d
-
-
-def cpu_model_name() -> str:
-    """The CPU model string (``/proc/cpuinfo`` "model name", else ``platform.processor()``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags (``/proc/cpuinfo``; empty where unavailable, e.g. macOS)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _check_cache_path() -> Path:
-    from specstop.paths import cache_dir
-
-    return cache_dir() / "hardware" / "dtype_check.json"
-
-
-def cached_check(key: str) -> dict | None:
-    """A hardware check's cached result (``~/.cache/specstop/hardware/dtype_check.json``), or None."""
-    try:
-        return json.loads(_check_cache_path().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
-
-
-def store_check(key: str, value: dict) -> None:
-    """Cache a hardware check's result under ``key`` (atomic write; a read-only cache is ignored)."""
-    path = _check_cache_path()
-    try:
-        doc = json.loads(path.read_text()) if path.is_file() else {}
-        doc[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-    except (OSError, ValueError):  # a read-only cache only costs a re-measurement next time
-        pass
 
 
 def pair_key(draft: str, target: str) -> str:
@@ -143,7 +102,7 @@ def choose_cpu_dtype(*, pair: tuple[str, str] | None = None, workload: str = "de
         )
     if pair is None:
         return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured: no pair to time)", cpu, flags)
-    from specstop.pair import dtype_timing
+    import specstop.pair.dtype_timing as dtype_timing
     from specstop.pair.fast_paths import record_single_row_choice
 
     key = (f"{CHECK_VERSION}|{cpu}|{'+'.join(flags)}|torch {torch.__version__}|threads {torch.get_num_threads()}"
@@ -185,3 +144,20 @@ def choose_dtype(device: str | None, *, pair: tuple[str, str] | None = None, wor
     if device not in (None, "cpu"):
         return DtypeChoice("float32", str(device), f"device {device}: float32 (auto picks bf16 only on CUDA and bf16 CPUs)")
     return choose_cpu_dtype(pair=pair, workload=workload)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None) -> torch.dtype:
+    """Map a dtype name (or ``auto``) to a torch dtype.
+
+    ``auto`` without a pair to time follows the device alone (bf16 on CUDA and on CPUs with native
+    bf16 units, float32 otherwise); :func:`load_pair` times the pair itself
+    (:func:`choose_dtype`).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return _DTYPES[choose_dtype(device).dtype]
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'") from None

@@ -117,7 +117,7 @@ def single_row_mv_gain(dtype: torch.dtype) -> dict:
     if forced in ("mv", "linear"):
         choice = {"use_mv": forced == "mv", "reason": f"{SINGLE_ROW_ENV}={forced} set"}
     else:
-        from specstop.pair.dtype_choice import cached_check, cpu_model_name, store_check
+        from specstop.pair.hardware import cached_check, cpu_model_name, store_check
 
         cache_key = f"single_row|{cpu_model_name()}|{dtype}|torch {torch.__version__}|threads {torch.get_num_threads()}"
         m = cached_check(cache_key)

@@ -18,41 +18,14 @@ from typing import Any
 import torch
 
 from specstop.errors import UserError
+from specstop.pair.dtype_choice import resolve_dtype
 from specstop.pair.fast_paths import install_fast_paths
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
-
 
 class TokenizerMismatchError(UserError):
     """The draft and target tokenizers differ, so the pair cannot do speculative decoding."""
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str | None = None) -> torch.dtype:
-    """Map a dtype name (or ``auto``) to a torch dtype.
-
-    ``auto`` without a pair to time follows the device alone (bf16 on CUDA and on CPUs with native
-    bf16 units, float32 otherwise); :func:`load_pair` times the pair itself
-    (:mod:`specstop.pair.dtype_choice`).
-    """
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        from specstop.pair.dtype_choice import choose_dtype
-
-        return _DTYPES[choose_dtype(device).dtype]
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or 'auto'") from None
 
 
 def default_device() -> str:

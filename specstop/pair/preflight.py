@@ -46,8 +46,10 @@ def check_pair_fits(draft: str, target: str, dtype, *, offloaded: bool = False) 
 
 def check_dtype_name(dtype) -> None:
     """Refuse an unknown ``dtype`` name before any model is loaded."""
-    from specstop.pair.loader import resolve_dtype
+    from specstop.pair.dtype_choice import resolve_dtype
 
+    if dtype in (None, "auto"):
+        return  # resolved once, by the loader, with the pair to time
     try:
         resolve_dtype(dtype, "cpu")
     except ValueError as err:

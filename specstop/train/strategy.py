@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specstop.cli import UserError
+from specstop.errors import UserError
 
 INSTALL_HINT = "pip install 'specstop[distributed]'"
 

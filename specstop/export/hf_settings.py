@@ -1,0 +1,387 @@
+"""Tuned draft-length settings for Hugging Face assisted generation that take effect, and a read-back check.
+
+transformers 5.x reads the assisted-generation knobs from the *draft model's* generation config,
+not from ``generate()`` keyword arguments. ``AssistedCandidateGenerator.__init__``
+(transformers/generation/candidate_generator.py) deep-copies ``assistant_model.generation_config``
+and takes ``num_assistant_tokens`` and ``assistant_confidence_threshold`` from that copy; it then
+overwrites the threshold of the per-call generation config (which is where ``generate()`` kwargs
+land) with the draft's value, and ``update_candidate_strategy`` reads
+``num_assistant_tokens_schedule`` from the same copy. Passing the three as ``generate()`` kwargs
+therefore leaves the draft's defaults in charge (20 tokens per round, threshold 0.4).
+
+Set on the draft, the threshold is still not the tuned one: whenever scikit-learn is installed,
+``update_candidate_strategy`` re-fits it after every round from an ROC curve of the draft's token
+probabilities against acceptance. transformers has no generation-config field that turns this
+off; the re-fit (and the probability bookkeeping that feeds it) runs only when
+``type(self) is AssistedCandidateGenerator``. :class:`TunedAssistedCandidateGenerator` is a
+subclass that changes nothing else, so HF's drafting, confidence stop, schedules, verification
+and sampling run unchanged with the tuned threshold held fixed. :func:`tuned_assisted_generation`
+injects it the way :mod:`specstop.export.hf_assist` injects its policy generator (by replacing
+``_get_candidate_generator`` on the target instance for the duration of a block).
+
+Usage::
+
+    from specstop.export.hf_settings import generate_with_settings, load_hf_settings
+    settings = load_hf_settings("engines/hf.json")                  # the recommended rule-based option
+    out = generate_with_settings(target, draft, settings, **inputs, max_new_tokens=128)
+
+    from specstop.export.hf_settings import read_back_hf_settings
+    report = read_back_hf_settings(target, draft, input_ids, settings, max_new_tokens=64)
+    assert report["ok"], report["problems"]                           # what generate() actually used
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+from specstop.errors import UserError
+
+__all__ = [
+    "HF_SETTING_KEYS",
+    "TunedAssistedCandidateGenerator",
+    "apply_hf_settings",
+    "check_hf_settings",
+    "generate_with_settings",
+    "hf_settings_from_spec",
+    "load_hf_settings",
+    "observe_assisted_generation",
+    "read_back_hf_settings",
+    "tuned_assisted_generation",
+]
+
+#: The draft-model generation-config fields a tuned rule-based policy sets.
+HF_SETTING_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+#: transformers' schedules: ``heuristic`` carries the adapted length over to the next generate()
+#: call on the same draft; ``heuristic_transient`` restarts every call from num_assistant_tokens.
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+def hf_settings_from_spec(spec: dict) -> dict:
+    """The draft generation-config values that express a tuned static / heuristic / confidence spec.
+
+    Args:
+        spec: a ``PolicySpec.to_dict()`` of kind ``static``, ``heuristic`` or ``confidence``.
+
+    Returns:
+        ``{num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold}``.
+
+    Raises:
+        UserError: a spec kind HF's assisted generation cannot express.
+    """
+    kind = spec.get("kind")
+    if kind == "static":
+        return {"num_assistant_tokens": int(spec["k"]), "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0}
+    if kind == "heuristic":
+        # The replay restarts the heuristic at `start` for every sequence; HF's "heuristic" would
+        # carry the adapted length into the next generate() call, "heuristic_transient" does not.
+        return {"num_assistant_tokens": int(spec["start"]), "num_assistant_tokens_schedule": "heuristic_transient",
+                "assistant_confidence_threshold": 0.0}
+    if kind == "confidence":
+        # HF's ConfidenceCriteria: stop after a drafted token whose probability is below tau; at most SL_max.
+        return {"num_assistant_tokens": int(spec["sl_max"]), "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": float(spec["threshold"])}
+    raise UserError(f"policy kind {kind!r} has no Hugging Face generation-config form; use static, heuristic or "
+                    "confidence (learned policies run through custom_generate)")
+
+
+def check_hf_settings(settings: Any) -> dict:
+    """Validate the three settings and return them as a plain dict.
+
+    Raises:
+        UserError: a missing key, a wrong type or an out-of-range value (one line, with the fix).
+    """
+    if not isinstance(settings, dict):
+        raise UserError(f"HF settings must be a mapping with {', '.join(HF_SETTING_KEYS)}, got "
+                        f"{type(settings).__name__}; pass an hf.json option's assistant_generation_config")
+    missing = [k for k in HF_SETTING_KEYS if k not in settings]
+    if missing:
+        raise UserError(f"HF settings lack {missing[0]!r}; pass all of {', '.join(HF_SETTING_KEYS)} "
+                        "(an hf.json option's assistant_generation_config has them)")
+    k = settings["num_assistant_tokens"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UserError(f"num_assistant_tokens must be an integer >= 1, got {k!r}; fix the settings (re-export with "
+                        "`specstop export --for hf`)")
+    schedule = settings["num_assistant_tokens_schedule"]
+    if schedule not in SCHEDULES:
+        raise UserError(f"num_assistant_tokens_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}; "
+                        "fix the settings (re-export with `specstop export --for hf`)")
+    tau = settings["assistant_confidence_threshold"]
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= float(tau) <= 1.0:
+        raise UserError(f"assistant_confidence_threshold must be a number in [0, 1], got {tau!r}; fix the settings "
+                        "(0 turns the confidence stop off)")
+    return {"num_assistant_tokens": int(k), "num_assistant_tokens_schedule": schedule,
+            "assistant_confidence_threshold": float(tau)}
+
+
+def load_hf_settings(source: str | Path | dict, option: str | None = None) -> dict:
+    """The settings of one option of an ``hf.json`` written by ``specstop export --for hf``.
+
+    Args:
+        source: the path of ``hf.json``, its parsed content, or a plain settings dict.
+        option: the option name (``static_opt``, ``confidence_opt`` ...); default: the recommended
+            option when it is rule-based, else the rule-based option with the highest predicted speedup.
+
+    Raises:
+        UserError: an unreadable file, an unknown option, or a file without rule-based options.
+    """
+    if isinstance(source, (str, Path)):
+        try:
+            data = json.loads(Path(source).read_text(encoding="utf-8"))
+        except OSError as err:
+            raise UserError(f"{source}: cannot read HF settings ({err.strerror}); run `specstop export --for hf`") from None
+        except ValueError:
+            raise UserError(f"{source}: not valid JSON; re-export it with `specstop export --for hf`") from None
+    else:
+        data = source
+    if isinstance(data, dict) and all(k in data for k in HF_SETTING_KEYS):
+        return check_hf_settings({k: data[k] for k in HF_SETTING_KEYS})
+    options = (data or {}).get("options") if isinstance(data, dict) else None
+    if not isinstance(options, dict):
+        raise UserError("HF settings source has no 'options'; pass the hf.json that `specstop export --for hf` wrote")
+    rule_based = {n: o for n, o in options.items() if isinstance(o, dict) and "assistant_generation_config" in o}
+    if option is None:
+        if not rule_based:
+            raise UserError("hf.json has no rule-based option (only learned ones, which run through custom_generate); "
+                            "re-export with a tuned file that has static_opt / heuristic_opt / confidence_opt")
+        rec = data.get("recommended")
+        option = rec if rec in rule_based else max(
+            rule_based, key=lambda n: (rule_based[n].get("predicted") or {}).get("speedup") or 0.0)
+    if option not in rule_based:
+        raise UserError(f"hf.json has no rule-based option {option!r}; choose from {', '.join(sorted(rule_based))}")
+    return check_hf_settings(rule_based[option]["assistant_generation_config"])
+
+
+def apply_hf_settings(draft_model, settings: dict) -> dict:
+    """Set the tuned draft-length settings on ``draft_model.generation_config`` (where transformers reads them).
+
+    Args:
+        draft_model: the model passed as ``assistant_model=``.
+        settings: ``{num_assistant_tokens, num_assistant_tokens_schedule, assistant_confidence_threshold}``
+            (:func:`load_hf_settings`).
+
+    Returns:
+        The previous values of the three fields (pass them back to restore the draft's config).
+
+    Raises:
+        UserError: invalid settings, or a model without a generation config.
+    """
+    settings = check_hf_settings(settings)
+    config = getattr(draft_model, "generation_config", None)
+    if config is None:
+        raise UserError(f"{type(draft_model).__name__} has no generation_config; pass a transformers generative "
+                        "model as the draft")
+    previous = {k: getattr(config, k, None) for k in HF_SETTING_KEYS}
+    for key, value in settings.items():
+        setattr(config, key, value)
+    return previous
+
+
+def _restore(draft_model, previous: dict) -> None:
+    for key, value in previous.items():
+        setattr(draft_model.generation_config, key, value)
+
+
+class TunedAssistedCandidateGenerator(AssistedCandidateGenerator):
+    """HF's assisted candidate generator with its online threshold re-tuning switched off.
+
+    transformers gates the ROC-curve re-fit of ``assistant_confidence_threshold`` (and the
+    per-token probability bookkeeping that feeds it) on ``type(self) is AssistedCandidateGenerator``;
+    being a subclass is the whole change. Drafting, the confidence stop, the ``heuristic``
+    schedules and verification are HF's own.
+    """
+
+
+def _replace_generator(target, make):
+    """Swap ``target._get_candidate_generator`` for ``make(original)`` until the returned callable is called."""
+    had = "_get_candidate_generator" in vars(target)
+    old = vars(target).get("_get_candidate_generator")
+    original = target._get_candidate_generator  # bound: the instance's replacement or the class method
+    target._get_candidate_generator = types.MethodType(make(original), target)
+
+    def restore() -> None:
+        if had:
+            target._get_candidate_generator = old
+        else:
+            del target._get_candidate_generator
+
+    return restore
+
+
+@contextmanager
+def tuned_assisted_generation(target) -> Iterator[dict]:
+    """Within the block, plain assisted generation on ``target`` keeps the draft's threshold fixed.
+
+    Only the generator HF builds for a same-tokenizer draft (a plain ``AssistedCandidateGenerator``)
+    is replaced; prompt lookup, different-tokenizer and other generators are left as HF builds them.
+    Yields a dict that receives the generator (``"generator"``).
+    """
+    info: dict = {}
+
+    def make(original):
+        def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                     assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+            gen = original(generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                           assistant_model, target_tokenizer, assistant_tokenizer)
+            if type(gen) is AssistedCandidateGenerator:
+                # Same arguments HF used: only the class differs (see TunedAssistedCandidateGenerator).
+                gen = TunedAssistedCandidateGenerator(
+                    input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
+                    model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+                )
+            info["generator"] = gen
+            return gen
+
+        return _get_candidate_generator
+
+    restore = _replace_generator(target, make)
+    try:
+        yield info
+    finally:
+        restore()
+
+
+def generate_with_settings(target, draft, settings: dict, *args, **generate_kwargs):
+    """``target.generate(*args, assistant_model=draft, **generate_kwargs)`` with the tuned settings in effect.
+
+    Sets ``settings`` on ``draft.generation_config`` (they stay set) and keeps HF from re-tuning the
+    threshold. Returns what ``generate`` returns.
+    """
+    apply_hf_settings(draft, settings)
+    with tuned_assisted_generation(target):
+        return target.generate(*args, assistant_model=draft, **generate_kwargs)
+
+
+def _threshold(gen) -> float | None:
+    value = getattr(getattr(gen, "generation_config", None), "assistant_confidence_threshold", None)
+    return None if value is None else float(value)
+
+
+@contextmanager
+def observe_assisted_generation(target) -> Iterator[dict]:
+    """Record, per round, what the candidate generator that ``generate`` builds actually uses.
+
+    Wraps whichever ``_get_candidate_generator`` is in effect (HF's, or one injected by
+    :func:`tuned_assisted_generation`) and, on the generator it returns, ``get_candidates``. Nothing
+    about the generation changes. Yields a dict: ``"rounds"`` (``{"cap", "threshold", "drafted"}``
+    per round: the K the generator held, the confidence threshold in use, the tokens it drafted)
+    and ``"generator"``.
+    """
+    info: dict = {"rounds": []}
+
+    def make(original):
+        def _get_candidate_generator(self, *args, **kwargs):
+            gen = original(*args, **kwargs)
+            inner = gen.get_candidates
+
+            def get_candidates(input_ids, *a, **kw):
+                cap = getattr(gen, "num_assistant_tokens", None)
+                tau = _threshold(gen)
+                out_ids, logits = inner(input_ids, *a, **kw)
+                info["rounds"].append({"cap": None if cap is None else int(cap), "threshold": tau,
+                                       "drafted": int(out_ids.shape[-1] - input_ids.shape[-1])})
+                return out_ids, logits
+
+            gen.get_candidates = get_candidates  # instance attribute: the class (and its type checks) stay HF's
+            info["generator"] = gen
+            return gen
+
+        return _get_candidate_generator
+
+    restore = _replace_generator(target, make)
+    try:
+        yield info
+    finally:
+        restore()
+
+
+def _retuning_active(gen) -> bool:
+    """Whether HF's ROC re-fit of the threshold runs for this generator (its own condition)."""
+    from transformers.utils import is_sklearn_available
+
+    cfg = getattr(gen, "assistant_generation_config", None)
+    return bool(is_sklearn_available() and cfg is not None and cfg.assistant_confidence_threshold
+                and type(gen) is AssistedCandidateGenerator)
+
+
+def read_back_hf_settings(target, draft, input_ids, settings: dict, *, via: str = "generation_config",
+                          **generate_kwargs) -> dict:
+    """Run ``target.generate(input_ids, assistant_model=draft, ...)`` with ``settings`` and report what ran.
+
+    Args:
+        target, draft: the pair (draft as ``assistant_model``).
+        input_ids: ``[1, L]`` prompt ids.
+        settings: the tuned settings (:func:`load_hf_settings`).
+        via: ``"generation_config"`` (the working route: :func:`generate_with_settings`) or
+            ``"generate_kwargs"`` (the settings passed as ``generate()`` kwargs, for comparison).
+        generate_kwargs: passed to ``generate`` (``max_new_tokens``, ``do_sample`` ...).
+
+    Returns:
+        ``{"via", "expected", "rounds", "drafted_per_round", "k_in_use", "threshold_in_use",
+        "threshold_at_end", "retuning", "generator", "ok", "problems"}``: ``k_in_use`` is the set of
+        per-round caps the generator held, ``threshold_in_use`` the set of thresholds it applied,
+        ``retuning`` whether HF's online re-fit was active, ``ok`` whether all match ``settings``
+        (``problems`` says what did not). The draft's generation config is restored afterwards.
+
+    Raises:
+        UserError: invalid settings or ``via``.
+    """
+    settings = check_hf_settings(settings)
+    if via not in ("generation_config", "generate_kwargs"):
+        raise UserError(f"via must be 'generation_config' or 'generate_kwargs', got {via!r}")
+    previous = {k: getattr(draft.generation_config, k, None) for k in HF_SETTING_KEYS}
+    try:
+        if via == "generation_config":
+            apply_hf_settings(draft, settings)
+            with tuned_assisted_generation(target), observe_assisted_generation(target) as seen:
+                target.generate(input_ids, assistant_model=draft, **generate_kwargs)
+        else:
+            with observe_assisted_generation(target) as seen:
+                target.generate(input_ids, assistant_model=draft, **settings, **generate_kwargs)
+    finally:
+        _restore(draft, previous)
+    gen = seen.get("generator")
+    rounds = seen["rounds"]
+    report = {
+        "via": via,
+        "expected": settings,
+        "rounds": rounds,
+        "drafted_per_round": [r["drafted"] for r in rounds],
+        "k_in_use": sorted({r["cap"] for r in rounds if r["cap"] is not None}),
+        "threshold_in_use": sorted({r["threshold"] for r in rounds if r["threshold"] is not None}),
+        "threshold_at_end": _threshold(gen) if gen is not None else None,
+        "retuning": _retuning_active(gen) if gen is not None else False,
+        "generator": type(gen).__name__ if gen is not None else None,
+    }
+    report["problems"] = _problems(report, settings)
+    report["ok"] = not report["problems"]
+    return report
+
+
+def _problems(report: dict, settings: dict) -> list[str]:
+    k, schedule, tau = (settings[key] for key in HF_SETTING_KEYS)
+    rounds = report["rounds"]
+    out = []
+    if not rounds:
+        return ["no assisted-generation round ran (is max_new_tokens > 1 and assistant_model set?)"]
+    if schedule == "constant" and report["k_in_use"] != [k]:
+        out.append(f"num_assistant_tokens in use {report['k_in_use']} (expected {k})")
+    if schedule != "constant" and rounds[0]["cap"] != k:
+        out.append(f"first-round num_assistant_tokens {rounds[0]['cap']} (expected the schedule's start {k})")
+    if any(r["cap"] is not None and r["drafted"] > r["cap"] for r in rounds):
+        out.append("a round drafted more tokens than its num_assistant_tokens")
+    used = report["threshold_in_use"] + ([report["threshold_at_end"]] if report["threshold_at_end"] is not None else [])
+    if any(not math.isclose(t, tau, rel_tol=0.0, abs_tol=1e-9) for t in used):
+        out.append(f"assistant_confidence_threshold in use {report['threshold_in_use']}, "
+                   f"{report['threshold_at_end']} at the end (expected {tau})")
+    if report["retuning"]:
+        out.append("transformers re-tunes the threshold online (ROC curve) during this generation")
+    return out

