@@ -21,11 +21,11 @@ injects it the way :mod:`specstop.export.hf_assist` injects its policy generator
 
 Usage::
 
-    from specstop.export.hf_settings import generate_with_settings, load_hf_settings
+    from specstop import generate_with_settings, load_hf_settings
     settings = load_hf_settings("engines/hf.json")                  # the recommended rule-based option
     out = generate_with_settings(target, draft, settings, **inputs, max_new_tokens=128)
 
-    from specstop.export.hf_settings import read_back_hf_settings
+    from specstop import read_back_hf_settings
     report = read_back_hf_settings(target, draft, input_ids, settings, max_new_tokens=64)
     assert report["ok"], report["problems"]                           # what generate() actually used
 """
