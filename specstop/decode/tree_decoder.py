@@ -213,17 +213,21 @@ class TreeDecoder:
                 stop_reason = "eos"
                 break
 
-        total = timer.now() - t_start
         self.last_state = {"seq": seq, "draft": draft, "target": target}
+        return self._result(out, timer, t_start, round_seconds, rounds_k, rounds_n, widths, {
+            "N_target": n_target, "N_draft": n_draft, "N_discarded": n_discarded, "draft_forwards": draft_forwards,
+            "stop_reason": stop_reason})
+
+    def _result(self, out: list[int], timer, t_start: float, round_seconds: list[float], rounds_k: list[int],
+                rounds_n: list[int], widths: list[int], tallies: dict[str, Any]) -> DecodeResult:
+        """The :class:`DecodeResult` of a finished run: counters in the chain decoder's names (``tallies``
+        carries the run's own, e.g. ``N_target``, ``stop_reason``), timings per phase and per round."""
+        total = timer.now() - t_start
         counters = {
             "N": len(out),
-            "N_target": n_target,
-            "N_draft": n_draft,
-            "N_discarded": n_discarded,
-            "draft_forwards": draft_forwards,
+            **tallies,
             "draft_width_hist": [widths.count(w) for w in range(max(widths, default=0) + 1)],
             "rounds": len(rounds_k),
-            "stop_reason": stop_reason,
             "policy": self.label,
             "batch_size": 1,
         }
@@ -356,23 +360,7 @@ class TreeDecoder:
                 stop_reason = "eos"
                 break
 
-        total = timer.now() - t_start
         self.last_state = {"seq": seq, "draft": draft, "target": target}
-        counters = {
-            "N": len(out),
-            "N_target": n_target,
-            "N_draft": n_draft,
-            "N_discarded": n_discarded,
-            "draft_forwards": draft_forwards,
-            "draft_width_hist": [widths.count(w) for w in range(max(widths, default=0) + 1)],
-            "rounds": len(rounds_k),
-            "stop_reason": stop_reason,
-            "policy": self.label,
-            "batch_size": 1,
-            "lossless": self.target_init == 1,
-        }
-        timings: dict[str, Any] = dict(timer.totals)
-        timings["total"] = total
-        timings["round_seconds"] = round_seconds
-        text = self.pair.tokenizer.decode(out, skip_special_tokens=True)
-        return DecodeResult(out, text, counters, rounds_k, rounds_n, timings)
+        return self._result(out, timer, t_start, round_seconds, rounds_k, rounds_n, widths, {
+            "N_target": n_target, "N_draft": n_draft, "N_discarded": n_discarded, "draft_forwards": draft_forwards,
+            "stop_reason": stop_reason, "lossless": self.target_init == 1})
