@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-all lint info
+.PHONY: setup quickstart test test-all lint info check-core-install
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -18,6 +18,11 @@ quickstart: setup
 ## Sets up and runs the test suite (CPU, tiny random models; `slow` tests skip without the real pair).
 test: setup
 	$(PY) -m pytest -q -m "not gpu" tests
+
+## `pip install .` without extras in a fresh venv loads an export (built by the project venv, then
+## moved) and decodes with our decoder, the public API and HF custom_generate, with no Lightning.
+check-core-install: setup
+	SPECSTOP_VENV=$(VENV) bash scripts/check_core_install.sh
 
 lint: setup
 	$(VENV)/bin/ruff check specstop tests benchmarks

@@ -1,4 +1,4 @@
-"""Online speedup benchmark: real decoding, side by side, repeated, with a spread (see specstop/eval/online.py).
+"""Online speedup benchmark: real decoding, side by side, repeated, with a spread (see specstop/measure/online.py).
 
 Methods (greedy):
     target              baseline: the target alone through our decoder's loop (max_draft=0; prefill timed)
@@ -56,7 +56,7 @@ def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list
 
 
 def text_prompts(args, tokenizer) -> list[list[int]]:
-    from specstop.export.decode_cli import render
+    from specstop.decode.cli import render
 
     texts = list(args.prompt or [])
     if args.prompts:
@@ -142,15 +142,15 @@ def main(argv=None) -> int:
 
     from specstop.data_gen.storage import read_manifest
     from specstop.decode import TreeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
     from specstop.decode.node_head import load_node_head
     from specstop.decode.pearl import PearlDecoder
     from specstop.decode.pearl_spec import PearlSpec
     from specstop.decode.pearl_workers import PearlWorkers
     from specstop.decode.tree_shape import DynamicTreeShape
     from specstop.errors import UserError
-    from specstop.eval import online
+    from specstop.measure import online
     from specstop.eval.same_prompts import applies, replay_policies
-    from specstop.export.decoder import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig, logits_to_probs, tv_distance

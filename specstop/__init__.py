@@ -27,8 +27,8 @@ _PUBLIC = {
     "DecodingConfig": "specstop.probs",
     # a stopping policy (an export folder or hub repo) and the decoders it steers
     "StoppingPolicy": "specstop.export.runtime",
-    "SpeculativeDecoder": "specstop.export.decoder",
-    "DecodeResult": "specstop.export.decoder",
+    "SpeculativeDecoder": "specstop.decode.chain",
+    "DecodeResult": "specstop.decode.chain",
     "TreeDecoder": "specstop.decode.tree_decoder",
     "parse_tree_policy": "specstop.decode.tree_shape",
     "PearlDecoder": "specstop.decode.pearl",
@@ -36,15 +36,15 @@ _PUBLIC = {
     "BatchDecodeResult": "specstop.decode.batched",
     "parse_pearl_policy": "specstop.decode.pearl_spec",
     # Hugging Face generate()
-    "generate_with_policy": "specstop.export.hf_assist",
-    "assisted_generate": "specstop.export.hf_assist",
-    "use_policy": "specstop.export.hf_assist",
+    "generate_with_policy": "specstop.decode.hf_assist",
+    "assisted_generate": "specstop.decode.hf_assist",
+    "use_policy": "specstop.decode.hf_assist",
     "custom_generate_source": "specstop.export.hub",
     # Hugging Face assisted generation with the settings `specstop export --for hf` writes
-    "load_hf_settings": "specstop.export.hf_settings",
-    "apply_hf_settings": "specstop.export.hf_settings",
-    "generate_with_settings": "specstop.export.hf_settings",
-    "read_back_hf_settings": "specstop.export.hf_settings",
+    "load_hf_settings": "specstop.decode.hf_settings",
+    "apply_hf_settings": "specstop.decode.hf_settings",
+    "generate_with_settings": "specstop.decode.hf_settings",
+    "read_back_hf_settings": "specstop.decode.hf_settings",
     # errors every command raises for bad input
     "UserError": "specstop.errors",
 }

@@ -1,9 +1,9 @@
 """The ``specstop`` command: one entry point, one subcommand per stage.
 
 Subcommand modules are imported lazily, so ``specstop --help`` and light commands start fast and
-do not import Lightning or datasets. A subcommand module provides either
-``add_arguments(parser)`` + ``run(args) -> int`` (argparse), or ``main(argv) -> int`` for commands
-that own their parser (``train`` and ``sweep`` go through LightningCLI).
+do not import Lightning or datasets. Each provides ``main(argv) -> int``. Every command's settings
+and flags come from one dataclass through :mod:`specstop.config_cli` (jsonargparse); ``train``
+goes through LightningCLI, the same parser over the training classes.
 
 Errors: a :class:`~specstop.errors.UserError` (bad input the user can fix) is printed as one line
 and exits with status 2; anything else is a bug and keeps its traceback. ``SPECSTOP_DEBUG=1`` or
@@ -18,23 +18,22 @@ import os
 import sys
 
 from specstop import __version__
-from specstop.cli_flags import DefaultsHelpFormatter
 from specstop.errors import UserError, find_user_error
 from specstop.log import setup_logging
 
-# name -> (module, one-line help, owns_its_parser)
-COMMANDS: dict[str, tuple[str, str, bool]] = {
-    "fetch-pair": ("specstop.pair.fetch_cli", "download, verify and convert a named reference model pair", False),
-    "info": ("specstop.pair.info_cli", "print a pair's models, tokenizer, parameter counts and cache location", False),
-    "generate": ("specstop.data_gen.cli", "label every draft position of a prompt set into a dataset", False),
-    "train": ("specstop.train.cli", "train a stopping predictor (LightningCLI; --config configs/train/*.yaml)", True),
-    "sweep": ("specstop.train.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)", False),
-    "calibrate-cost": ("specstop.eval.calibrate", "measure draft/target step costs on this hardware", False),
-    "tune": ("specstop.eval.tune_cli", "tune stopping thresholds for latency on a validation split", False),
-    "eval": ("specstop.eval.eval_cli", "replay every policy on a test split and write the report", False),
-    "export": ("specstop.export.cli", "package a trained, tuned predictor for decoders", False),
-    "decode": ("specstop.export.decode_cli", "speculative decoding with a stopping policy", False),
-    "pipeline": ("specstop.pipeline", "pair -> data -> train -> tune -> eval -> export, resumable", False),
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fetch-pair": ("specstop.pair.fetch_cli", "download, verify and convert a named reference model pair"),
+    "info": ("specstop.pair.info_cli", "print a pair's models, tokenizer, parameter counts and cache location"),
+    "generate": ("specstop.data_gen.cli", "label every draft position of a prompt set into a dataset"),
+    "train": ("specstop.train.cli", "train a stopping predictor (LightningCLI; --config configs/train/*.yaml)"),
+    "sweep": ("specstop.train.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)"),
+    "calibrate-cost": ("specstop.measure.calibrate_cli", "measure draft/target step costs on this hardware"),
+    "tune": ("specstop.eval.tune_cli", "tune stopping thresholds for latency on a validation split"),
+    "eval": ("specstop.eval.eval_cli", "replay every policy on a test split and write the report"),
+    "export": ("specstop.export.cli", "package a trained, tuned predictor for decoders"),
+    "decode": ("specstop.decode.cli", "speculative decoding with a stopping policy"),
+    "pipeline": ("specstop.pipeline.cli", "pair -> data -> train -> tune -> eval -> export, resumable"),
 }
 
 __all__ = ["COMMANDS", "UserError", "main", "run_command"]
@@ -48,7 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specstop {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_mod, help_, _raw) in COMMANDS.items():
+    for name, (_mod, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
     return parser
 
@@ -75,17 +74,10 @@ def run_command(name: str, argv: list[str]) -> int:
     """
     from specstop.memory import guarded_stage
 
-    module_name, help_, raw = COMMANDS[name]
+    module_name, _help = COMMANDS[name]
     module = importlib.import_module(module_name)
     with guarded_stage(f"specstop {name}"):
-        if raw:
-            return int(module.main(argv) or 0)
-        sub = argparse.ArgumentParser(
-            prog=f"specstop {name}", description=help_, formatter_class=DefaultsHelpFormatter
-        )
-        module.add_arguments(sub)
-        args = sub.parse_args(argv)
-        return int(module.run(args) or 0)
+        return int(module.main(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

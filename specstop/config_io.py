@@ -123,26 +123,6 @@ def short(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """Parse a JSON file we or the user wrote (tuned policies, cost models, manifests).
-
-    Raises:
-        MissingInputError: no such file.
-        UserError: not UTF-8 or not valid JSON (names the file and line).
-    """
-    import json
-
-    p = Path(path)
-    if not p.is_file():
-        raise not_a_file(p, what, "give the path of a JSON file")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise UserError(f"{p}: not a UTF-8 text file; give the {what} (JSON)") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{p}:{err.lineno}: not valid JSON ({err.msg}); fix or regenerate the {what}") from None
-
-
 def describe_type(hint: Any) -> str:
     """A reader's name for a type hint (``an integer``, ``a list of strings`` ...)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)

@@ -15,7 +15,6 @@ EXTRA_OF = {
     "lightning": "train",
     "pytorch_lightning": "train",
     "torchmetrics": "train",
-    "jsonargparse": "train",
     "tensorboard": "train",
     "sklearn": "eval",
     "matplotlib": "eval",

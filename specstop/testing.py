@@ -191,7 +191,8 @@ def write_synthetic_dataset(
 
     from specstop import __version__
     from specstop.data_gen.schema import SCHEMA_VERSION
-    from specstop.data_gen.storage import MANIFEST, atomic_write_json, shard_name, write_shard
+    from specstop.data_gen.storage import MANIFEST, shard_name, write_shard
+    from specstop.jsonio import atomic_write_json
 
     n_prompts = dict(n_prompts or {"train": 32, "validation": 8, "test": 8})
     out_dir = Path(out_dir)

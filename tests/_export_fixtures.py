@@ -13,7 +13,7 @@ from specstop.policy import PolicySpec
 
 
 def tiny_prompts(pair, texts=("hello world", "def f(x):")) -> list[list[int]]:
-    from specstop.export.decode_cli import render
+    from specstop.decode.cli import render
 
     return [render(t, pair.tokenizer, True) for t in texts]
 

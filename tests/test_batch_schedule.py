@@ -131,7 +131,7 @@ def test_time_batch_on_a_tiny_pair():
     import torch
 
     from specstop.errors import UserError
-    from specstop.eval.batch_cost import parse_batch_grid, time_batch
+    from specstop.measure.batch_cost import parse_batch_grid, time_batch
     from specstop.testing import tiny_pair
 
     torch.set_num_threads(1)

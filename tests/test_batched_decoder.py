@@ -10,8 +10,8 @@ from _export_fixtures import single_thread, tiny_prompts  # noqa: F401
 
 from specstop.decode import BatchedSpeculativeDecoder
 from specstop.decode import batched as batched_mod
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.errors import UserError
-from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
 
 # ``references`` (the target's own greedy output per prompt) resolves ``prompts`` below: these four.

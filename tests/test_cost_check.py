@@ -59,7 +59,7 @@ def test_spread_and_decoder_disagreement_are_problems():
 
 
 def test_calibrate_remeasures_suspect_k(monkeypatch):
-    from specstop.eval import calibrate as cal
+    from specstop.measure import calibrate as cal
     from specstop.testing import tiny_pair
 
     calls = []
@@ -82,7 +82,7 @@ def test_calibrate_remeasures_suspect_k(monkeypatch):
 
 def test_an_order_the_kernels_reproduce_is_priced_as_measured(monkeypatch):
     # One-row bf16 GEMMs cost more than two- and three-row ones on a Zen 4: real, and reproducible.
-    from specstop.eval import calibrate as cal
+    from specstop.measure import calibrate as cal
     from specstop.testing import tiny_pair
 
     shape = {0: 0.25, 1: 0.21, 2: 0.22, 4: 0.25, 8: 0.30}
@@ -100,7 +100,7 @@ def test_an_order_the_kernels_reproduce_is_priced_as_measured(monkeypatch):
 
 
 def test_calibrate_checks_the_table_against_the_decoder():
-    from specstop.eval.calibrate import build_context, calibrate
+    from specstop.measure.calibrate import build_context, calibrate
     from specstop.testing import tiny_pair
 
     pair = tiny_pair()
@@ -150,7 +150,7 @@ def test_gap_closed_only_when_the_oracle_is_fastest():
 
 
 def test_online_check_sizes_itself_to_its_budget():
-    from specstop.eval.online_budget import estimate, run_seconds, size_online_check
+    from specstop.measure.online_budget import estimate, run_seconds, size_online_check
 
     cost = measured(SMOOTH)
     lens = [120] * 8
@@ -170,7 +170,7 @@ def test_online_check_sizes_itself_to_its_budget():
 
 def test_remeasuring_a_few_short_k_still_times_the_draft():
     # A re-measure of K = 1 alone still takes DRAFT_STEPS_PER_ROUND draft steps from the block.
-    from specstop.eval.calibrate import DRAFT_STEPS_PER_ROUND, build_context, time_pair
+    from specstop.measure.calibrate import DRAFT_STEPS_PER_ROUND, build_context, time_pair
     from specstop.testing import tiny_pair
 
     pair = tiny_pair()
@@ -197,7 +197,7 @@ def test_calibrate_times_pearls_core_split():
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("PEARL's split needs 2+ cores")
-    from specstop.eval.calibrate import build_context, calibrate
+    from specstop.measure.calibrate import build_context, calibrate
     from specstop.testing import tiny_pair
 
     pair = tiny_pair()
@@ -213,7 +213,7 @@ def test_calibrate_times_pearls_core_split():
 def test_side_tables_are_checked_against_the_k_table_and_measured_again():
     """A tree or batch table timed while the machine was busy (every entry 3x the K table) is
     measured once more; one that agrees is kept as measured."""
-    from specstop.eval.calibrate import checked_side_table
+    from specstop.measure.calibrate import checked_side_table
     from specstop.eval.cost_check import section_disagreement
 
     k_table = {0: 0.24, 1: 0.22, 4: 0.25, 8: 0.27}
@@ -237,7 +237,7 @@ def test_side_tables_are_checked_against_the_k_table_and_measured_again():
 def test_an_order_problem_left_by_the_remeasure_is_timed_side_by_side(monkeypatch):
     """K = 0 spreads, is re-measured alone and lands above K = 1..3 timed in the first run: those K
     are timed again together; the order recurs there, so it is the machine's and the table passes."""
-    from specstop.eval import calibrate as cal
+    from specstop.measure import calibrate as cal
     from specstop.testing import tiny_pair
 
     shape = {0: 0.247, 1: 0.197, 2: 0.207, 3: 0.221, 4: 0.231, 8: 0.247}

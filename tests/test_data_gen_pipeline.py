@@ -3,7 +3,6 @@ read-back, config handling, bad input and the CLI."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -234,11 +233,8 @@ def test_flags_override_yaml(tmp_path):
 
     y = tmp_path / "c.yaml"
     y.write_text("generation:\n  max_new_tokens: 64\n  temperature: 0.5\nlabels:\n  topk_k: 5\nout: a\n")
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    args = p.parse_args(["--config", str(y), "--max-new-tokens", "32", "--prompts", "f.jsonl", "--prompt-field",
-                         "q", "--rollouts-on", "train,test", "--no-hidden-states", "--out", "b"])
-    cfg = cli.build_config(args)
+    cfg, _ = cli.build_config(["--config", str(y), "--max-new-tokens", "32", "--prompts", "f.jsonl", "--prompt-field",
+                               "q", "--rollouts-on", "train,test", "--no-hidden-states", "--out", "b"])
     assert cfg.generation.max_new_tokens == 32 and cfg.generation.temperature == 0.5
     assert cfg.labels.topk_k == 5 and cfg.out == "b" and cfg.prompts.template == "field:q"
     assert cfg.labels.rollouts.splits == ["train", "test"] and cfg.labels.hidden_states is False

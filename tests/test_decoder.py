@@ -6,7 +6,7 @@ import pytest
 import torch
 from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
 
-from specstop.export.decoder import SpeculativeDecoder, eos_token_ids
+from specstop.decode.chain import SpeculativeDecoder, eos_token_ids
 from specstop.export.runtime import StoppingPolicy
 from specstop.testing import tiny_pair
 

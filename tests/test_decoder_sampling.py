@@ -8,7 +8,7 @@ import pytest
 import torch
 from _export_fixtures import single_thread  # noqa: F401
 
-from specstop.export.decoder import SpeculativeDecoder
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.loader import ModelPair
 from specstop.probs import DecodingConfig, logits_to_probs, tv_distance

@@ -119,8 +119,7 @@ def test_export_for_engines_cli(tmp_path, capsys):
         assert settings["engine"] == engine and settings["cost_model"] == COST
     text = capsys.readouterr().out
     assert "llamacpp: confidence_opt (predicted speedup 1.550x)" in text
-    with pytest.raises(SystemExit):
-        main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(out), "--for", "trt"])
+    assert main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(out), "--for", "trt"]) == 2
     assert "unknown engine(s) ['trt']" in capsys.readouterr().err
 
 

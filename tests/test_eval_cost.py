@@ -38,7 +38,7 @@ def test_json_round_trip(tmp_path):
 
 
 def test_calibrate_tiny_pair(tmp_path):
-    from specstop.eval.calibrate import build_context, calibrate, calibration_plot
+    from specstop.measure.calibrate import build_context, calibrate, calibration_plot
     from specstop.export.runtime import StoppingPolicy
     from specstop.testing import tiny_pair
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from _export_fixtures import random_exports, single_thread, write_checkpoint, write_manifest, write_tuned  # noqa: F401
 
-from specstop.export.export import ExportError, export_from_files, export_policy, load_checkpoint
+from specstop.export.export import ExportError, export_from_files, export_policy
 from specstop.export.runtime import DraftMismatchError, StoppingPolicy
 from specstop.models import build_predictor
+from specstop.models.checkpoint import load_predictor
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures
 from specstop.probs import DecodingConfig, logits_to_probs
 from specstop.testing import tiny_pair
@@ -47,7 +48,7 @@ def test_export_round_trip_identical_outputs(exports, pair):
         assert cfg["features"]["kind"] == ("dist" if name == "disco" else "hidden")
         assert (exports[name] / "model.safetensors").is_file() and (exports[name] / "README.md").is_file()
         policy = StoppingPolicy.from_pretrained(exports[name], draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)
-        ref, _ = load_checkpoint(cfg["source"]["checkpoint"])
+        ref, _ = load_predictor(cfg["source"]["checkpoint"])
         x = torch.randn(32, ref.feature_spec.input_dim)
         with torch.no_grad():
             assert torch.equal(ref(x), policy.predictor(x))

@@ -160,12 +160,25 @@ def test_pipeline_checks_its_run_folder_first(tmp_path, monkeypatch, capsys):
 
 def test_full_disk_while_writing_leaves_no_half_file(synth_dir, tmp_path, monkeypatch, capsys):
     """ENOSPC in the middle of writing tuned.json: one line, no tuned.json, no temporary file."""
-    from specstop.data_gen import storage
+    from specstop import outputs
 
-    def full_dump(*a, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class FullDisk:
+        """The temporary file is created; writing into it fails as on a full disk."""
 
-    monkeypatch.setattr(storage.json, "dump", full_dump)
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_fdopen = outputs.os.fdopen
+    monkeypatch.setattr(outputs.os, "fdopen", lambda fd, *a, **kw: FullDisk(real_fdopen(fd, *a, **kw)))
     out = tmp_path / "tuned"
     out.mkdir()
     one_line_error(capsys, main(["tune", "--data", str(synth_dir), "--cost-model", "llama2-7b-70b", "--sl-max-grid", "4,8",

@@ -133,7 +133,7 @@ def test_verified_file_is_reused_without_downloading_or_rehashing(tmp_path, monk
     # The sidecar records the verification, so the second run neither downloads nor hashes.
     import specstop.pair.fetch as fetch_mod
 
-    monkeypatch.setattr(fetch_mod, "hash_file", lambda p: (_ for _ in ()).throw(AssertionError("rehashed")))
+    monkeypatch.setattr(fetch_mod, "sha256_file", lambda p: (_ for _ in ()).throw(AssertionError("rehashed")))
     again = fetch_gguf(src, cache=tmp_path, downloader=boom)
     assert again.cached and again.path == first.path and again.downloaded == []
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
 
-from specstop.export.hf_assist import assisted_generate, use_policy
+from specstop.decode.hf_assist import assisted_generate, use_policy
 from specstop.export.runtime import StoppingPolicy
 from specstop.testing import tiny_pair
 
@@ -55,7 +55,7 @@ CONFIDENCE = {"num_assistant_tokens": 6, "num_assistant_tokens_schedule": "const
 
 @pytest.mark.parametrize("settings", [STATIC, CONFIDENCE], ids=["static", "confidence"])
 def test_read_back_shows_the_tuned_k_and_threshold_run(settings, pair):
-    from specstop.export.hf_settings import read_back_hf_settings
+    from specstop.decode.hf_settings import read_back_hf_settings
 
     x = torch.tensor([tiny_prompts(pair, ("hello world",))[0]])
     before = {k: getattr(pair.draft.generation_config, k) for k in settings}
@@ -79,7 +79,7 @@ def test_read_back_shows_the_tuned_k_and_threshold_run(settings, pair):
 
 
 def test_without_the_fixed_generator_hf_retunes_the_threshold(pair):
-    from specstop.export.hf_settings import (
+    from specstop.decode.hf_settings import (
         apply_hf_settings,
         generate_with_settings,
         observe_assisted_generation,
@@ -104,9 +104,9 @@ def test_without_the_fixed_generator_hf_retunes_the_threshold(pair):
 def test_load_hf_settings_from_the_exported_file(tmp_path):
     import json
 
+    from specstop.decode.hf_settings import load_hf_settings
     from specstop.errors import UserError
     from specstop.export.engines import engine_settings
-    from specstop.export.hf_settings import load_hf_settings
     from specstop.policy import PolicySpec
 
     tuned = {"policies": {
@@ -125,8 +125,8 @@ def test_load_hf_settings_from_the_exported_file(tmp_path):
 # ------------------------------------------------------------------ the HF path refuses another draft
 
 def test_hf_path_refuses_a_same_shaped_draft_with_other_weights(pair, exports):
+    from specstop.decode.hf_assist import generate_with_policy
     from specstop.errors import UserError
-    from specstop.export.hf_assist import generate_with_policy
     from specstop.testing import tiny_pair_models
 
     other, _, _ = tiny_pair_models(seed=7)  # same architecture and sizes, other weights
@@ -151,7 +151,7 @@ def test_hf_path_compares_weight_files_for_drafts_loaded_from_folders(tiny_pair_
     from_pretrained is fingerprinted from the same files (and a same-shaped copy with other weights is not)."""
     from transformers import AutoModelForCausalLM
 
-    from specstop.export.hf_assist import assistant_identity, check_assistant
+    from specstop.decode.hf_assist import assistant_identity, check_assistant
     from specstop.export.runtime import DraftMismatchError
     from specstop.pair.loader import load_pair
     from specstop.policy import PolicySpec

@@ -144,7 +144,7 @@ def test_push_to_hub_uploads_the_export_layout(exports, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("name", ["disco", "sdpp"])
 def test_custom_generate_runs_the_learned_policy(name, pair, exports, monkeypatch):
-    from specstop.export import hf_assist
+    from specstop.decode import hf_assist
 
     rounds = []
     original = hf_assist.PolicyCandidateGenerator.get_candidates
@@ -169,7 +169,7 @@ def test_custom_generate_runs_the_learned_policy(name, pair, exports, monkeypatc
 
 def test_a_moved_export_still_runs_through_custom_generate(pair, exports, tmp_path, monkeypatch):
     """generate.py finds its policy from custom_generate=, so a moved (or pushed) export needs nothing by hand."""
-    from specstop.export import hf_assist
+    from specstop.decode import hf_assist
 
     moved = tmp_path / "elsewhere" / "policy"
     shutil.copytree(exports["disco"], moved)

@@ -75,7 +75,7 @@ def test_decode_path_imports_without_any_extra():
         f"for m in {sorted(EXTRA_OF)!r}: sys.modules[m] = None\n"
         "import specstop\n"
         "for name in specstop.__all__: getattr(specstop, name)\n"
-        "import specstop.export.decode_cli, specstop.cli\n"
+        "import specstop.decode.cli, specstop.cli\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specstop.eval import online
+from specstop.measure import online
 from specstop.eval.cost import CostModel
 
 

@@ -23,11 +23,11 @@ from _export_fixtures import single_thread  # noqa: F401
 
 from specstop.decode import PearlDecoder, PearlSpec, PearlWorkers, WorkerError, parse_pearl_policy
 from specstop.decode import pearl_workers as workers_mod
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.decode.pearl_server import load_stop_policy
 from specstop.decode.pearl_spec import split_cores
 from specstop.decode.pearl_timing import time_split
 from specstop.errors import UserError
-from specstop.export.decoder import SpeculativeDecoder
 from specstop.policy import PolicySpec
 from specstop.probs import logits_to_probs
 

@@ -61,7 +61,7 @@ def test_greedy_next_token_agreement(pair):
 def test_token_trees_are_lossless_on_the_reference_pair(pair, spec):
     # float32: verification blocks and single steps agree exactly, so any difference is a bug.
     from specstop.decode import TreeDecoder, parse_tree_policy
-    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
 
     prompt = pair.tokenizer(SNIPPET.split("def factorial")[0] + "def factorial(n):\n")["input_ids"]

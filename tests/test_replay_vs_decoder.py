@@ -15,10 +15,10 @@ from _data_gen_helpers import make_render, records, replay_data_config
 
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.replay import ReplayTrace, replay_prompt
 from specstop.eval.scoring import score_split
-from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
 from specstop.models import build_predictor
 from specstop.policy import PolicySpec
@@ -136,7 +136,7 @@ def test_online_check_replays_the_same_prompts_round_for_round(setup):
     """The online check's like-for-like prediction (same prompts, budget cut below the dataset's,
     the export's own predictor scoring the split) has the decoder's rounds on every prompt, and its
     speedup is the cost model priced on exactly those rounds."""
-    from specstop.eval import online
+    from specstop.measure import online
     from specstop.eval.cost import CostModel
     from specstop.eval.same_prompts import replay_policies
 

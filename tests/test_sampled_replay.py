@@ -11,6 +11,7 @@ from _data_gen_helpers import make_render, records, replay_data_config
 
 from specstop.data_gen.runner import generate_dataset
 from specstop.data_gen.storage import load_table
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.eval.episodes import from_arrays, load_replay_data
 from specstop.eval.sampled import (
     accept_given_output,
@@ -20,7 +21,6 @@ from specstop.eval.sampled import (
     virtual_replay_data,
 )
 from specstop.eval.segments import fast_replay
-from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig

@@ -113,16 +113,12 @@ def test_specstop_train_end_to_end(synth_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_sweep_tiny_grid(synth_dir, tmp_path, monkeypatch):
-    import argparse
-
     from specstop.train import sweep
 
     monkeypatch.chdir(tmp_path)
     cfg = next(p for p in CONFIGS if p.stem == "specdecpp_resnet")
-    parser = argparse.ArgumentParser()
-    sweep.add_arguments(parser)
-    args = parser.parse_args(["--config", str(cfg), "--data-dir", str(synth_dir), "--w-rej", "1,6", "--depth", "0",
-                              "--lr", "3e-3", "--max-epochs", "1", "--out", str(tmp_path / "sw"), "--no-baselines"])  # fmt: skip
+    args, _ = sweep.command().parse(["--config", str(cfg), "--data-dir", str(synth_dir), "--w-rej", "1,6", "--depth", "0",
+                                     "--lr", "3e-3", "--max-epochs", "1", "--out", str(tmp_path / "sw"), "--no-baselines"])  # fmt: skip
     assert sweep.run(args) == 0
     rows = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert [r["w_rej"] for r in rows] == [1.0, 6.0] and all(r["val_kl"] is not None for r in rows)

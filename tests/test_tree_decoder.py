@@ -12,12 +12,12 @@ import torch
 from _export_fixtures import single_thread  # noqa: F401
 
 from specstop.decode import TreeDecoder, parse_tree_policy
+from specstop.decode.chain import SpeculativeDecoder
 from specstop.decode.drafting import grow_tree
 from specstop.decode.token_tree import TokenTree, tree_attention_mask
 from specstop.decode.tree_cache import TreeLM
 from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape
 from specstop.errors import UserError
-from specstop.export.decoder import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.probs import DecodingConfig, logits_to_probs
@@ -287,7 +287,7 @@ def test_decode_cli_tree_policies(tiny_pair_dir, capsys):
 
 
 def test_tree_rounds_priced_by_the_cost_model(pair, prompts):
-    from specstop.eval import online
+    from specstop.measure import online
     from specstop.eval.cost import CostModel
 
     cost = CostModel(t_draft=0.01, t_target=0.1, target_by_k={0: 0.1, 4: 0.12, 16: 0.2}, provenance="measured")

@@ -158,7 +158,7 @@ def test_cost_model_tree_section_round_trips_and_interpolates(tmp_path):
 
 
 def test_tree_rounds_priced_from_the_tree_table():
-    from specstop.eval.online import tree_round_seconds
+    from specstop.measure.online import tree_round_seconds
 
     # Rounds of 8 and 3 nodes and one target-only step; draft forwards: 2 of width 1, 3 of width 2, 1 of width 4.
     expected = FLAT.tree_target_cost(8) + FLAT.tree_target_cost(3) + FLAT.target_cost(0)
@@ -170,7 +170,7 @@ def test_tree_rounds_priced_from_the_tree_table():
 
 
 def test_calibrate_times_tree_costs():
-    from specstop.eval.calibrate import build_context, calibrate, time_tree
+    from specstop.measure.calibrate import build_context, calibrate, time_tree
 
     pair = tiny_pair(seed=0)
     ctx = build_context(pair.tokenizer, ["def f(x):\n    return x\n", "hello world"], 40)
@@ -187,19 +187,17 @@ def test_calibrate_times_tree_costs():
 
 
 def test_calibrate_cli_has_no_tree_flag():
-    import argparse
+    from specstop.measure.calibrate_cli import command
 
-    from specstop.eval.calibrate import add_arguments
-
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    assert p.parse_args(["--no-tree"]).no_tree and not p.parse_args([]).no_tree
+    assert command().parse(["--no-tree"])[0].no_tree and not command().parse([])[0].no_tree
+    settings, _ = command().parse(["--checkpoint", "a=x.ckpt", "--checkpoint", "y.ckpt"])
+    assert settings.checkpoint == ["a=x.ckpt", "y.ckpt"]
 
 
 # ---------------------------------------------------------------- export and decode
 def _target_greedy(pair, ids: list[int], n: int) -> list[int]:
     """The target's own greedy continuation (full forwards, no cache)."""
-    from specstop.export.decoder import eos_token_ids
+    from specstop.decode.chain import eos_token_ids
 
     eos, seq, out = eos_token_ids(pair), list(ids), []
     with torch.no_grad():

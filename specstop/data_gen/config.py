@@ -13,12 +13,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import get_type_hints
 
+from specstop.config_cli import comma_list, setting
 from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
 from specstop.errors import MissingInputError, UserError
 from specstop.names import check_plain_name
 from specstop.pair.preflight import check_dtype_name
+from specstop.pair.settings import PairSettings
 from specstop.probs import DecodingConfig
 from specstop.prompts.sources import PromptSetConfig
 
@@ -27,27 +29,36 @@ PROMPT_OVERFLOW = ("truncate", "skip")
 
 @dataclass
 class PromptsConfig(PromptSetConfig):
-    """Where prompts come from: ``specstop.prompts.PromptSetConfig`` whose ``source`` may come from
-    the ``--prompts`` flag instead of the YAML (so it may be unset while the config is assembled)."""
+    """Where prompts come from and how they are rendered and split.
 
-    source: str | None = None
+    ``specstop.prompts.PromptSetConfig`` whose ``source`` may come from the ``--prompts`` flag
+    instead of the YAML (so it may be unset while the config is assembled).
+    """
+
+    source: str | None = setting(None, flags=("--prompts",))
+    """Prompt source: a JSON/JSONL file, a hub id or a named source (humaneval, builtin:NAME)."""
 
 
 @dataclass
 class GenerationConfig:
-    """How the target writes responses (and the decoding transform used for every label).
+    """How the target writes responses (and the decoding transform used for every label)."""
 
-    ``max_prompt_tokens`` None means the model context minus ``max_new_tokens``.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    batch_size: int = 8
-    max_prompt_tokens: int | None = None
-    prompt_overflow: str = "truncate"
+    max_new_tokens: int = setting(128, flags=("--max-new-tokens",))
+    """Tokens each response may have."""
+    temperature: float = setting(0.0, flags=("--temperature",))
+    """Sampling temperature; 0 = greedy."""
+    top_k: int = setting(0, flags=("--top-k",))
+    """Sampling: keep the k most likely tokens (0 disables)."""
+    top_p: float = setting(1.0, flags=("--top-p",))
+    """Sampling: nucleus mass (1.0 disables)."""
+    seed: int = setting(0, flags=("--seed",))
+    """Seed of sampling, draft samples, verified outcomes and mixing."""
+    batch_size: int = setting(8, flags=("--batch-size",))
+    """Prompts per batch."""
+    max_prompt_tokens: int | None = setting(None, flags=("--max-prompt-tokens",))
+    """Longest prompt in tokens; null = the model context minus max_new_tokens."""
+    prompt_overflow: str = setting("truncate", flags=("--prompt-overflow",))
+    """Longer prompts: ``truncate`` (cut from the left) or ``skip``."""
 
     def decoding(self) -> DecodingConfig:
         return DecodingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
@@ -57,45 +68,57 @@ class GenerationConfig:
 class MixingConfig:
     """SpecDec++ token mixing: keep X_i with probability ``rate``, else the draft sample Y_i."""
 
-    rate: float = 0.15
-    draws: int = 1
-    splits: list[str] = field(default_factory=lambda: ["train"])
+    rate: float = setting(0.15, flags=("--mixing-rate",))
+    """Probability of keeping the target token."""
+    draws: int = setting(1, flags=("--mixing-draws",))
+    """Mixed sequences per response."""
+    splits: list[str] = setting(default_factory=lambda: ["train"], flags=("--mixing-on",), parse=comma_list)
+    """Splits with token mixing (comma-separated on the command line; ``none`` for none)."""
 
 
 @dataclass
 class RolloutsConfig:
     """Greedy draft continuations after every mismatch (exact replay needs them)."""
 
-    length: int = 20
-    splits: list[str] = field(default_factory=lambda: ["validation", "test"])
-    batch_size: int = 64  # mismatch prefixes rolled out together
+    length: int = setting(20, flags=("--rollout-length",))
+    """Rollout steps L."""
+    splits: list[str] = setting(default_factory=lambda: ["validation", "test"], flags=("--rollouts-on",),
+                                parse=comma_list)
+    """Splits with rollouts (comma-separated on the command line; ``none`` for none)."""
+    batch_size: int = setting(64, flags=("--rollout-batch-size",))
+    """Mismatch prefixes rolled out together."""
 
 
 @dataclass
 class LabelsConfig:
-    topk_k: int = 10
-    hidden_states: bool = False
+    """What every draft position is labelled with, beyond the labels themselves."""
+
+    topk_k: int = setting(10, flags=("--feature-topk",), deprecated=("--topk",))
+    """Features: how many top draft probabilities each row stores."""
+    hidden_states: bool = setting(False, flags=("--hidden-states",))
+    """Store the draft's final hidden states (float16)."""
     mixing: MixingConfig = field(default_factory=MixingConfig)
     rollouts: RolloutsConfig = field(default_factory=RolloutsConfig)
-    # Response positions turned into float32 distributions at once: small blocks stay in cache
-    # (measured 1.7x faster label math at 16 rows than at 1024 with a 152k vocabulary).
+    # Small blocks stay in cache: measured 1.7x faster label math at 16 rows than at 1024 with a
+    # 152k vocabulary.
     chunk_rows: int = 16
+    """Response positions turned into float32 distributions at once."""
 
 
 @dataclass
-class DataGenConfig:
+class DataGenConfig(PairSettings):
     """Everything `specstop generate` needs."""
 
-    pair: str | None = None
-    draft: str | None = None
-    target: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    target_device_map: str | None = None
-    out: str | None = None
-    prompts_per_shard: int = 64
-    num_shards: int | None = None
-    shard_index: int | None = None
+    target_device_map: str | None = setting(None, flags=("--target-device-map",))
+    """e.g. auto: spread a target larger than one GPU."""
+    out: str | None = setting(None, flags=("--data",), deprecated=("--out",), metavar="DIR")
+    """Dataset folder to write (the --data of train/tune/eval)."""
+    prompts_per_shard: int = setting(64, flags=("--prompts-per-shard",))
+    """Prompts in each shard (the unit of resuming)."""
+    num_shards: int | None = setting(None, flags=("--num-shards",))
+    """Number of workers; null = $WORLD_SIZE or 1."""
+    shard_index: int | None = setting(None, flags=("--shard-index",))
+    """This worker; null = $RANK or 0."""
     prompts: PromptsConfig = field(default_factory=PromptsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     labels: LabelsConfig = field(default_factory=LabelsConfig)
@@ -177,14 +200,3 @@ def load_config(path: str | Path) -> DataGenConfig:
     if not p.is_file():
         raise MissingInputError(f"config file {p} not found (configs live in configs/data/*.yaml)")
     return config_from_dict(read_yaml(p), source=str(p))
-
-
-def set_path(cfg: DataGenConfig, dotted: str, value: Any) -> None:
-    """Override one setting by dotted name (``generation.temperature``); used for CLI flags."""
-    obj = cfg
-    *parents, last = dotted.split(".")
-    for part in parents:
-        obj = getattr(obj, part)
-    if not hasattr(obj, last):
-        raise UserError(f"unknown config key {dotted!r}")
-    setattr(obj, last, check_type(value, get_type_hints(type(obj))[last], dotted))

@@ -25,14 +25,9 @@ from specstop.data_gen.ownership import check_no_foreign_files, clean_partial_sh
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
 from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
-from specstop.data_gen.storage import (
-    atomic_write_json,
-    complete_shards,
-    read_shard_record,
-    shard_name,
-    write_shard,
-)
+from specstop.data_gen.storage import complete_shards, read_shard_record, shard_name, write_shard
 from specstop.errors import UserError
+from specstop.jsonio import atomic_write_json
 from specstop.outputs import claim_output_dir
 from specstop.pair.identity import check_same_pair
 

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -31,7 +30,9 @@ from typing import Any
 import numpy as np
 
 from specstop.data_gen.schema import TABLES, features_for
+from specstop.digest import sha256_file
 from specstop.errors import MissingInputError, UserError
+from specstop.jsonio import atomic_write_json, read_json_or_none
 from specstop.names import check_plain_name
 
 COMPLETE_MARKER = "_COMPLETE.json"
@@ -47,41 +48,6 @@ def shard_name(split: str, index: int) -> str:
     return f"{check_plain_name(split, 'split name')}-{index:05d}"
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and ``os.replace`` (never a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serializable: {type(o)}")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 _HASHES: dict[str, tuple[int, int, str]] = {}
 
 
@@ -92,7 +58,7 @@ def _sha256_cached(path: Path) -> str:
     hit = _HASHES.get(key)
     if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
         return hit[2]
-    digest = _sha256(path)
+    digest = sha256_file(path)
     # A file modified within the filesystem's timestamp granularity of its last write keeps its
     # mtime: only remember hashes of files that have been quiet for a while.
     if time.time_ns() - st.st_mtime_ns > 2_000_000_000:
@@ -104,7 +70,7 @@ def _file_records(folder: Path) -> dict[str, dict]:
     out = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and p.name != COMPLETE_MARKER:
-            out[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            out[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return out
 
 
@@ -169,17 +135,6 @@ def _as_list_or_array(v):
     if isinstance(v, np.ndarray) and v.ndim >= 1:
         return v
     return list(v)
-
-
-def read_json_or_none(path: str | Path) -> dict | None:
-    """The JSON at ``path``, or None when it is missing or unreadable (e.g. cut off by a crash)."""
-    p = Path(path)
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def read_shard_record(path: str | Path) -> dict | None:

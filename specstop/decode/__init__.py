@@ -1,9 +1,13 @@
-"""Multi-candidate (token tree) speculative decoding: shapes, tree attention, drafting, verification.
+"""decode: the lossless decoders a stopping policy steers, and ``specstop decode``.
 
-Imports flow one way: ``token_tree`` <- ``tree_shape`` <- ``drafting`` / ``verify`` / ``tree_cache``
-<- ``tree_decoder``; ``node_head`` (the learned node scorer, from ``specstop.models.tree_node``) is
-handed to ``tree_decoder`` by its caller. The chain decoder (:mod:`specstop.export.decoder`) supplies the shared pieces
-(``DecodeResult``, EOS ids, the phase timer, the cached-model wrapper).
+Chain speculative decoding (:mod:`chain`) supplies the pieces every decoder shares (``DecodeResult``,
+EOS ids, the phase timer, the cached-model wrapper). Hugging Face ``generate`` runs a policy
+through :mod:`hf_assist` (our candidate generator) or :mod:`hf_settings` (transformers' own
+assisted generation with the settings ``specstop export --for hf`` writes). ``cli`` is the command.
+
+Multi-candidate (token tree) decoding, imports flowing one way: ``token_tree`` <- ``tree_shape`` <-
+``drafting`` / ``verify`` / ``tree_cache`` <- ``tree_decoder``; ``node_head`` (the learned node
+scorer, from ``specstop.models.tree_node``) is handed to ``tree_decoder`` by its caller.
 
 PEARL (draft and target in parallel): ``pearl_spec`` <- ``pearl_server`` <- ``pearl_workers`` <- ``pearl``
 <- ``pearl_timing``.

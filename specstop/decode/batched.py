@@ -2,7 +2,7 @@
 forward per round for the whole batch, acceptance per sequence.
 
 Round semantics per row are the chain decoder's (docs/design.md "Speculative decoding rounds",
-:mod:`specstop.export.decoder`): ``K_cap = min(policy cap, remaining - 1)``; drafting stops when the
+:mod:`specstop.decode.chain`): ``K_cap = min(policy cap, remaining - 1)``; drafting stops when the
 row's policy says stop, at ``K_cap`` or after EOS; greedy keeps the leading drafted tokens equal to
 the target's argmax and emits the target's token; sampling accepts ``y_i`` while ``r_i < min(1,
 p/q)``, resamples from ``norm(max(p - q, 0))`` on a rejection and samples a bonus from p when all are
@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from specstop.decode.chain import DecodeResult, _Timer, eos_token_ids
 from specstop.decode.tree_cache import TREE_ATTENTION_IMPLS
 from specstop.errors import UserError
-from specstop.export.decoder import DecodeResult, _Timer, eos_token_ids
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
@@ -89,7 +89,7 @@ class BatchDecodeResult:
         return float(self.timings["total"] - self.timings["prefill"])
 
     def row(self, b: int) -> DecodeResult:
-        """Row ``b`` as the chain decoder's :class:`~specstop.export.decoder.DecodeResult` (batch timings)."""
+        """Row ``b`` as the chain decoder's :class:`~specstop.decode.chain.DecodeResult` (batch timings)."""
         return DecodeResult(self.token_ids[b], self.texts[b], dict(self.counters[b]), list(self.round_lengths[b]),
                             list(self.accepted_per_round[b]), dict(self.timings))
 

@@ -59,10 +59,10 @@ from typing import Any
 
 import torch
 
+from specstop.decode.chain import DecodeResult, eos_token_ids
 from specstop.decode.pearl_server import load_stop_policy
 from specstop.decode.pearl_spec import PearlSpec
 from specstop.decode.pearl_workers import PearlWorkers
-from specstop.export.decoder import DecodeResult, eos_token_ids
 from specstop.probs import DecodingConfig, accept_probability, residual_distribution
 
 __all__ = ["PearlDecoder", "measured_gamma"]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from specstop.decode.chain import _LM
 from specstop.errors import UserError
-from specstop.export.decoder import _LM
 from specstop.probs import DecodingConfig, logits_to_probs
 
 __all__ = ["ModelServer", "load_stop_policy"]

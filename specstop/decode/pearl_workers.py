@@ -444,7 +444,7 @@ class PearlWorkers:
     """
 
     def __init__(self, pair, cores: tuple[list[int], list[int]] | None = None, backend: str = "auto") -> None:
-        from specstop.export.decoder import eos_token_ids
+        from specstop.decode.chain import eos_token_ids
 
         if backend not in ("auto", "processes", "threads"):
             raise ValueError(f"backend must be auto, processes or threads, got {backend!r}")

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
+from specstop.decode.chain import _LM
 from specstop.decode.token_tree import tree_attention_mask
 from specstop.errors import UserError
-from specstop.export.decoder import _LM
 from specstop.pair.compat import cache_kwarg
 
 __all__ = ["TreeLM", "check_tree_attention"]

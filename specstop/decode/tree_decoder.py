@@ -1,6 +1,6 @@
 """A lossless multi-candidate (token tree) speculative decoder: ``mcsd:K1,K2,...`` and ``tree:N``.
 
-Round semantics are the chain decoder's (:mod:`specstop.export.decoder`, docs/design.md), with a tree
+Round semantics are the chain decoder's (:mod:`specstop.decode.chain`, docs/design.md), with a tree
 in place of the chain:
 
 1. ``depth_cap = min(shape depth, remaining - 1)``; ``depth_cap == 0`` -> one target step, no draft.
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from specstop.decode.chain import DecodeResult, _Timer, eos_token_ids
 from specstop.decode.drafting import candidate_order, grow_below, grow_tree
 from specstop.decode.token_tree import TokenTree
 from specstop.decode.tree_cache import TreeLM
 from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, TreeShape
 from specstop.decode.verify import greedy_walk, sampling_walk
 from specstop.errors import UserError
-from specstop.export.decoder import DecodeResult, _Timer, eos_token_ids
 from specstop.probs import DecodingConfig, logits_to_probs
 
 __all__ = ["TreeDecoder"]

@@ -67,13 +67,13 @@ class CostModel:
             step on its share while the target runs, and the factor by which a target pass on its
             share (beside the draft) is slower than the same pass on the whole machine. None: PEARL
             is priced with perfect overlap on the whole machine (an idealisation, said so).
-        tree: token-tree costs measured by calibrate-cost (:func:`specstop.eval.calibrate.time_tree`):
+        tree: token-tree costs measured by calibrate-cost (:func:`specstop.measure.calibrate.time_tree`):
             ``{"n_grid": [N, ...], "t_target_tree": {N: s}, "w_grid": [W, ...], "t_draft_width": {W: s}}``
             - one target forward over the pending token plus N tree nodes under the tree mask, and one
             draft forward over a frontier of W nodes; read with :meth:`tree_target_cost` /
             :meth:`tree_draft_cost`. None: tree rounds are priced from ``target_by_k`` and ``t_draft``.
         batch: batch-aware costs measured by ``calibrate-cost --batch-grid``
-            (:func:`specstop.eval.batch_cost.time_batch`): ``{"batch_sizes", "k_grid", "t_draft": {B: s},
+            (:func:`specstop.measure.batch_cost.time_batch`): ``{"batch_sizes", "k_grid", "t_draft": {B: s},
             "t_target": {B: {K: s}}, "iqr", ...}`` (string keys once read from JSON); priced by
             :mod:`specstop.eval.batch_schedule`. None: batch size 1 only.
     """
@@ -258,7 +258,7 @@ class CostModel:
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
-        from specstop.data_gen.storage import atomic_write_json
+        from specstop.jsonio import atomic_write_json
 
         atomic_write_json(Path(path), self.to_dict())
 

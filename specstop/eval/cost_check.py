@@ -71,7 +71,7 @@ def order_problems(medians: Mapping[int, float], tolerance: float = DROP_TOLERAN
 
 
 def decoder_problems(check: Mapping | None, tolerance: float = DECODER_TOLERANCE) -> list[str]:
-    """The decoder-agreement part of a calibration's check (see :func:`specstop.eval.calibrate.decoder_check`)."""
+    """The decoder-agreement part of a calibration's check (see :func:`specstop.measure.calibrate.decoder_check`)."""
     out = []
     for name, rec in (check or {}).items():
         ratio = rec.get("ratio")

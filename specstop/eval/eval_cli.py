@@ -11,15 +11,18 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from specstop.config_io import check_range, read_json, resolve_tuned_paths
+from specstop.config_cli import setting
+from specstop.config_io import check_range, resolve_tuned_paths
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.report import build_report, write_report
 from specstop.eval.sampled import replayable
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.tune_cli import load_cost_model_arg
+from specstop.jsonio import read_json
 from specstop.outputs import claim_output_dir
 from specstop.pair.identity import check_same_pair
 from specstop.policy import DEFAULT_SL_MAX
@@ -27,21 +30,43 @@ from specstop.policy import DEFAULT_SL_MAX
 log = logging.getLogger("specstop")
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--data", required=True, help="dataset folder to evaluate on")
-    p.add_argument("--tuned", required=True, help="tuned-policy JSON written by `specstop tune`")
-    p.add_argument("--split", default="test")
-    p.add_argument("--out", required=True, help="report folder")
-    p.add_argument("--cost-model", default=None, help="preset or cost.json (default: the tuned file's)")
-    p.add_argument("--force-cost", action="store_true",
-                   help="price with a measured cost table even when it fails its check (erratic or unordered K)")
-    p.add_argument(
-        "--checkpoint", action="append", default=[], metavar="[NAME=]PATH", help="override a tuned checkpoint path, repeatable (NAME defaults to the file name)"
-    )
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier report in --out (report.md, report.json and its figures)")
-    p.add_argument("--mc-repeats", type=int, default=16,
-                   help="sampled data (T > 0): realisations of the acceptance draws replayed (default 16)")
+@dataclass
+class EvalOptions:
+    """How `specstop eval` replays (the part a pipeline's ``eval:`` mapping may set)."""
+
+    split: str = setting("test", flags=("--split",))
+    """Split to replay."""
+    mc_repeats: int = setting(16, flags=("--mc-repeats",))
+    """Sampled data (T > 0): realisations of the acceptance draws replayed."""
+
+
+@dataclass
+class EvalSettings(EvalOptions):
+    """What `specstop eval` reads and where it writes its report."""
+
+    data: str | None = setting(None, flags=("--data",), required=True)
+    """Dataset folder to evaluate on."""
+    tuned: str | None = setting(None, flags=("--tuned",), required=True)
+    """Tuned-policy JSON written by `specstop tune`."""
+    out: str | None = setting(None, flags=("--out",), required=True)
+    """Report folder."""
+    cost_model: str | None = setting(None, flags=("--cost-model",))
+    """Preset or cost.json; null = the tuned file's."""
+    force_cost: bool = setting(False, flags=("--force-cost",), negatable=False)
+    """Price with a measured cost table even when it fails its check (erratic or unordered K)."""
+    checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
+                                    repeatable=True)
+    """Override a tuned checkpoint path, repeatable (NAME defaults to the file name)."""
+    overwrite: bool = setting(False, flags=("--overwrite",), negatable=False)
+    """Replace an earlier report in --out (report.md, report.json and its figures)."""
+
+
+def main(argv: list[str]) -> int:
+    from specstop.config_cli import TypedCommand
+
+    args, _ = TypedCommand(EvalSettings, prog="specstop eval",
+                           description="replay every policy on a test split and write the report").parse(argv)
+    return run(args)
 
 
 def read_tuned(path: str | Path) -> dict:
@@ -58,7 +83,8 @@ def read_tuned(path: str | Path) -> dict:
 
 def check_tuned_pair(tuned: dict, data_dir) -> None:
     """Thresholds tuned on one pair's data say nothing about another pair's: refuse the mix."""
-    from specstop.data_gen.storage import read_json_or_none, read_manifest
+    from specstop.data_gen.storage import read_manifest
+    from specstop.jsonio import read_json_or_none
 
     tuned_on = read_json_or_none(Path(str(tuned.get("dataset") or "")) / "manifest.json") if tuned.get("dataset") else None
     check_same_pair(
@@ -124,7 +150,7 @@ def _write_staged(rep_builder, out: Path) -> Path:
     return out / md.name
 
 
-def run(args) -> int:
+def run(args: EvalSettings) -> int:
     check_range("--mc-repeats", args.mc_repeats, low=1)
     check_report_target(Path(args.out), args.overwrite)
     tuned = read_tuned(args.tuned)

@@ -16,17 +16,11 @@ import torch
 
 from specstop.errors import UserError
 from specstop.eval.episodes import ReplayData
+from specstop.models.checkpoint import load_predictor
 from specstop.pair.identity import check_same_pair
 from specstop.train.mapped import previous_row_index
 
 BATCH = 65536
-
-
-def load_checkpoint(path: str | Path):
-    """``(predictor, meta)`` from a checkpoint written by ``specstop train``."""
-    from specstop.models.checkpoint import load_predictor
-
-    return load_predictor(path)
 
 
 @torch.no_grad()
@@ -173,7 +167,7 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
     info, skipped = {}, {}
     for name, path in checkpoints.items():
         try:
-            predictor, meta = load_checkpoint(path)
+            predictor, meta = load_predictor(path)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
             raise _unusable(name, path, err) from None
         # Scores of a predictor on another pair's features would be meaningless, not just worse.

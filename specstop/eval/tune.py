@@ -252,11 +252,12 @@ def best_throughput(checkpoint: str, data_dir: str, *, split: str = "validation"
     from specstop.eval.cost import load_cost_model
     from specstop.eval.episodes import load_replay_data
     from specstop.eval.sampled import replayable
-    from specstop.eval.scoring import family_rule, load_checkpoint, score_split
+    from specstop.eval.scoring import family_rule, score_split
+    from specstop.models.checkpoint import load_predictor
 
     cost = load_cost_model(cost_model)
     data = load_replay_data(data_dir, split)
-    predictor, meta = load_checkpoint(checkpoint)
+    predictor, meta = load_predictor(checkpoint)
     family = meta.get("family") or predictor.family
     score_split(data, data_dir, split, family, predictor)
     # Sampled data (SpecDec++'s own setting): realisations of the acceptance draws, see eval.sampled.

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from specstop.config_io import check_range, read_json
-from specstop.data_gen.storage import atomic_write_json
+from specstop.config_cli import setting
+from specstop.config_io import check_range
 from specstop.errors import UserError
 from specstop.eval.cost import PRESETS, CostModel, load_cost_model
 from specstop.eval.cost_check import require_usable
@@ -36,34 +37,52 @@ from specstop.eval.tune import (
     tune_static,
     tune_threshold,
 )
+from specstop.jsonio import atomic_write_json, read_json
 from specstop.policy import DEFAULT_SL_MAX, PolicySpec
 
 log = logging.getLogger("specstop")
 TUNED_SCHEMA_VERSION = 1
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--data", required=True, help="dataset folder (specstop generate output)")
-    p.add_argument("--split", default="validation", help="split to tune on")
-    p.add_argument(
-        "--checkpoint",
-        action="append",
-        default=[],
-        metavar="[NAME=]PATH",
-        help="predictor checkpoint, repeatable (NAME defaults to the file name)",
-    )
-    p.add_argument(
-        "--cost-model", required=True,
-        help="the latency model to minimise: a cost.json from `specstop calibrate-cost` (this machine), or a "
-        f"preset name ({', '.join(PRESETS)}; not this machine, reports say so)",
-    )
-    p.add_argument("--force-cost", action="store_true",
-                   help="price with a measured cost table even when it fails its check (erratic or unordered K)")
-    p.add_argument("--out", required=True, help="tuned-policy JSON to write")
-    p.add_argument("--sl-max-grid", default="4,8,12,16,20", help="SL_max candidates, comma separated")
-    p.add_argument("--heuristic-starts", default="1,2,3,4,5,6,8,10", help="heuristic start values to try")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                   help=f"sampled data (T > 0): realisations of the acceptance draws to tune on (default {DEFAULT_REPEATS})")
+@dataclass
+class TuneOptions:
+    """How `specstop tune` searches (the part a pipeline's ``tune:`` mapping may set)."""
+
+    split: str = setting("validation", flags=("--split",))
+    """Split to tune on."""
+    sl_max_grid: str = setting("4,8,12,16,20", flags=("--sl-max-grid",))
+    """SL_max candidates, comma separated."""
+    heuristic_starts: str = setting("1,2,3,4,5,6,8,10", flags=("--heuristic-starts",))
+    """Heuristic start values to try, comma separated."""
+    repeats: int = setting(DEFAULT_REPEATS, flags=("--repeats",))
+    """Sampled data (T > 0): realisations of the acceptance draws to tune on."""
+
+
+@dataclass
+class TuneSettings(TuneOptions):
+    """What `specstop tune` reads, how it prices rounds and where it writes."""
+
+    data: str | None = setting(None, flags=("--data",), required=True)
+    """Dataset folder (specstop generate output)."""
+    checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
+                                    repeatable=True)
+    """Predictor checkpoint, repeatable (NAME defaults to the file name)."""
+    cost_model: str | None = setting(None, flags=("--cost-model",), required=True)
+    """The latency model to minimise: a cost.json from `specstop calibrate-cost` (this machine), or a
+    preset name (not this machine; reports say so)."""
+    force_cost: bool = setting(False, flags=("--force-cost",), negatable=False)
+    """Price with a measured cost table even when it fails its check (erratic or unordered K)."""
+    out: str | None = setting(None, flags=("--out",), required=True)
+    """Tuned-policy JSON to write."""
+
+
+def main(argv: list[str]) -> int:
+    from specstop.config_cli import TypedCommand
+
+    args, _ = TypedCommand(TuneSettings, prog="specstop tune",
+                           description="tune every policy's thresholds / lengths on a validation split; cost "
+                                       f"model presets (not this machine): {', '.join(PRESETS)}").parse(argv)
+    return run(args)
 
 
 def _ints(text: str) -> list[int]:
@@ -92,7 +111,7 @@ def load_cost_model_arg(spec, *, force: bool = False) -> CostModel:
     return cost
 
 
-def run(args) -> int:
+def run(args: TuneSettings) -> int:
     from specstop.outputs import check_writable
 
     check_range("--repeats", args.repeats, low=1)

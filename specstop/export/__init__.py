@@ -1,1 +1,4 @@
-"""export: self-describing predictor packages, the dependency-light runtime and the decoder."""
+"""export: the self-describing predictor package (folder format, runtime, hub) and serving-engine settings.
+
+The decoders that load a package live in :mod:`specstop.decode`.
+"""

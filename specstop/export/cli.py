@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 
-from specstop.cli_flags import add_deprecated_alias, split_checkpoint_arg
+from specstop.cli_flags import split_checkpoint_arg
+from specstop.config_cli import setting
+from specstop.errors import UserError
 
 
 def _engines(text: str) -> list[str]:
@@ -18,42 +20,48 @@ def _engines(text: str) -> list[str]:
     names = list(ENGINES) if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in ENGINES]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown engine(s) {bad}; choose from {', '.join(ENGINES)} or all")
+        raise UserError(f"--for: unknown engine(s) {bad}; choose from {', '.join(ENGINES)} or all")
     return names
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tuned", required=True, help="tuned-policy file written by `specstop tune` (tuned.json)")
-    parser.add_argument(
-        "--checkpoint", metavar="[NAME=]PATH",
-        help="the predictor's checkpoint (default: the tuned file's 'checkpoints' entry for the policy)",
-    )
-    parser.add_argument("--policy", help="which tuned policy to export (default: the tuned file's 'best'); "
-                        "tree_opt: the tuned token tree (tuned.json 'tree_policies')")
-    parser.add_argument("--node-head", default=None, metavar="CKPT",
-                        help="tree policies of the form tree:N only: export this tree_node_mlp checkpoint to steer the tree")
-    parser.add_argument("--out", required=True, help="folder to write (config.json, model.safetensors, README.md, "
-                        "custom_generate/; with --for also <engine>.json)")
-    parser.add_argument(
-        "--data", dest="dataset", metavar="DIR",
-        help="dataset folder whose manifest.json names the pair (default: from the checkpoint / tuned file)",
-    )
-    add_deprecated_alias(parser, "--dataset", "--data", "dataset")
-    parser.add_argument(
-        "--for", dest="engines", type=_engines, default=None, metavar="ENGINES",
-        help="also write the tuned settings for these engines: comma list of hf, vllm, llamacpp, sglang, trtllm, or all "
-             "(hf also gets the custom_generate export of the learned predictor)",
-    )
-    parser.add_argument("--draft-name", help="draft model (path, hub id or GGUF file) to write into engine commands")
-    parser.add_argument("--target-name", help="target model to write into engine commands")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an existing, non-empty --out folder (after the new export passed its check)"
-    )
-    parser.add_argument(
-        "--allow-missing-pair",
-        action="store_true",
-        help="write an export without draft/target identities (decoders then cannot refuse a wrong draft)",
-    )
+@dataclass
+class ExportSettings:
+    """What `specstop export` packages and where it writes."""
+
+    tuned: str | None = setting(None, flags=("--tuned",), required=True)
+    """Tuned-policy file written by `specstop tune` (tuned.json)."""
+    checkpoint: str | None = setting(None, flags=("--checkpoint",), metavar="[NAME=]PATH")
+    """The predictor's checkpoint; null = the tuned file's 'checkpoints' entry for the policy."""
+    policy: str | None = setting(None, flags=("--policy",))
+    """Which tuned policy to export; null = the tuned file's 'best'; tree_opt: the tuned token tree
+    (tuned.json 'tree_policies')."""
+    node_head: str | None = setting(None, flags=("--node-head",), metavar="CKPT")
+    """Tree policies of the form tree:N only: export this tree_node_mlp checkpoint to steer the tree."""
+    out: str | None = setting(None, flags=("--out",), required=True)
+    """Folder to write (config.json, model.safetensors, README.md, custom_generate/; with --for also
+    <engine>.json)."""
+    dataset: str | None = setting(None, flags=("--data",), deprecated=("--dataset",), metavar="DIR")
+    """Dataset folder whose manifest.json names the pair; null = from the checkpoint / tuned file."""
+    engines: list[str] | None = setting(None, flags=("--for",), parse=_engines, metavar="ENGINES")
+    """Also write the tuned settings for these engines: comma list of hf, vllm, llamacpp, sglang,
+    trtllm, or all (hf also gets the custom_generate export of the learned predictor)."""
+    draft_name: str | None = setting(None, flags=("--draft-name",))
+    """Draft model (path, hub id or GGUF file) to write into engine commands."""
+    target_name: str | None = setting(None, flags=("--target-name",))
+    """Target model to write into engine commands."""
+    overwrite: bool = setting(False, flags=("--overwrite",), negatable=False)
+    """Replace an existing, non-empty --out folder (after the new export passed its check)."""
+    allow_missing_pair: bool = setting(False, flags=("--allow-missing-pair",), negatable=False)
+    """Write an export without draft/target identities (decoders then cannot refuse a wrong draft)."""
+
+
+def main(argv: list[str]) -> int:
+    from specstop.config_cli import TypedCommand
+
+    args, _ = TypedCommand(ExportSettings, prog="specstop export",
+                           description="package a trained, tuned stopping policy for decoders and serving engines"
+                           ).parse(argv)
+    return run(args)
 
 
 def _learned_policy(tuned_path: str, policy: str | None) -> str | None:
@@ -69,7 +77,7 @@ def _learned_policy(tuned_path: str, policy: str | None) -> str | None:
     return min(learned, key=lambda n: (pols[n].get("validation") or {}).get("latency_per_token", float("inf")))
 
 
-def _write_engines(args: argparse.Namespace, engines: list[str], hf_policy: str | None) -> None:
+def _write_engines(args: ExportSettings, engines: list[str], hf_policy: str | None) -> None:
     from specstop.export.engines import summary_line, write_engine_settings
 
     paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name,
@@ -79,7 +87,7 @@ def _write_engines(args: argparse.Namespace, engines: list[str], hf_policy: str 
         print(f"  wrote {path}")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: ExportSettings) -> int:
     from pathlib import Path
 
     from specstop.export.export import check_export_target, export_from_files
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         dataset=args.dataset,
         allow_missing_pair=args.allow_missing_pair,
         overwrite=args.overwrite,
-        node_head=getattr(args, "node_head", None),
+        node_head=args.node_head,
     )
     check = config.get("export_check")
     if check:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from specstop.config_io import read_json, resolve_tuned_paths
+from specstop.config_io import resolve_tuned_paths
 from specstop.errors import MissingInputError, UserError
 from specstop.export.folder import (
     CONFIG_NAME,
@@ -44,14 +44,16 @@ from specstop.export.folder import (
     write_export_files,
 )
 from specstop.export.runtime import StoppingPolicy, load_tree_export
-from specstop.models import StoppingPredictor, build_predictor
+from specstop.jsonio import read_json
+from specstop.models import StoppingPredictor
+from specstop.models.checkpoint import load_predictor
 from specstop.pair.identity import check_same_pair
 from specstop.policy import PolicySpec
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ExportError", "export_config", "export_policy", "load_checkpoint", "read_tuned", "validate_export",
+    "ExportError", "export_config", "export_policy", "read_tuned", "validate_export",
     "write_export_folder",
 ]
 
@@ -63,36 +65,6 @@ class ExportError(UserError):
 
 
 # ---------------------------------------------------------------------- inputs
-def load_checkpoint(path: str | Path) -> tuple[StoppingPredictor, dict]:
-    """``(predictor, meta)`` from a Lightning checkpoint, without importing Lightning.
-
-    Uses ``specstop.models.checkpoint.load_predictor`` when available; otherwise reads the Lightning
-    layout itself (``hyper_parameters`` with family / predictor_config / label; weights under
-    ``predictor.``).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise MissingInputError(f"checkpoint {path} does not exist (train one with `specstop train`)")
-    try:
-        from specstop.models.checkpoint import load_predictor
-    except ImportError:
-        load_predictor = None
-    if load_predictor is not None:
-        predictor, meta = load_predictor(path)
-        return predictor, dict(meta or {})
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    hp = dict(ckpt.get("hyper_parameters") or {})
-    if "family" not in hp or "predictor_config" not in hp:
-        raise ExportError(
-            f"{path} is not a specstop predictor checkpoint: hyper_parameters lack 'family'/'predictor_config'"
-        )
-    predictor = build_predictor(hp["family"], **hp["predictor_config"])
-    sd = {k[len("predictor.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("predictor.")}
-    predictor.load_state_dict(sd, strict=True)
-    predictor.eval()
-    return predictor, hp
-
-
 def read_tuned(path: str | Path) -> dict:
     """Read a tuned-policy file (design.md "Tuned-policy files")."""
     path = Path(path)
@@ -377,7 +349,7 @@ def export_from_files(
         if not ckpt:
             raise ExportError(f"policy {name!r} is a learned predictor: pass --checkpoint (tuned.json lists none for it)")
         checkpoint = ckpt
-        predictor, meta = load_checkpoint(ckpt)
+        predictor, meta = load_predictor(ckpt)
     elif checkpoint:
         raise ExportError(f"policy {name!r} ({spec.label}) is not a learned predictor: drop --checkpoint")
     # The checkpoint records its dataset as a summary dict (with data_dir); tuned.json as a path.
@@ -425,7 +397,7 @@ def _export_tree(out, t: dict, name: str, *, tuned, node_head, dataset, allow_mi
         raise ExportError(f"{tuned}: tree policy {name!r}: {err}; rerun `specstop tune`") from None
     chain = (t["policies"].get("static_opt") or {}).get("spec")
     spec = PolicySpec.from_dict(chain) if chain else PolicySpec(kind="static", k=4)
-    head, meta = (None, {}) if node_head is None else load_checkpoint(node_head)
+    head, meta = (None, {}) if node_head is None else load_predictor(node_head)
     ds = dataset or t.get("dataset")
     manifest = _read_manifest(ds)
     if head is not None:

@@ -1,6 +1,6 @@
 """The dependency-light runtime: one :class:`StoppingPolicy` for every stopping rule.
 
-Decoders (our :class:`~specstop.export.decoder.SpeculativeDecoder`, the Hugging Face assisted
+Decoders (our :class:`~specstop.decode.chain.SpeculativeDecoder`, the Hugging Face assisted
 generation hook, or your own loop) ask one object "stop drafting now?" after each drafted token.
 Static, heuristic, confidence and learned predictors all answer through the same calls, so a
 decoder switches policy by configuration.

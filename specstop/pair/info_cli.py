@@ -2,21 +2,39 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from dataclasses import dataclass
 
 from specstop.pair.registry import KNOWN_PAIRS, converted_pair_dir, is_converted, resolve_pair
+from specstop.pair.settings import PairSettings
 from specstop.paths import cache_dir
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pair", help=f"a known pair name ({', '.join(KNOWN_PAIRS)}) or a folder with draft/ and target/")
-    parser.add_argument("--draft", help="draft model folder or hub id (with --target, instead of --pair)")
-    parser.add_argument("--target", help="target model folder or hub id (with --draft, instead of --pair)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default: the pair's fastest on this machine, timed once and cached)")
-    parser.add_argument("--device", default="cpu", help="where to load the models (default: cpu)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+@dataclass
+class InfoSettings(PairSettings):
+    """Which pair `specstop info` loads and describes."""
+
+    device: str | None = "cpu"
+    """Where to load the models."""
+
+
+def command():
+    """The parser: the pair settings and ``--json``."""
+    from specstop.config_cli import TypedCommand
+
+    cmd = TypedCommand(InfoSettings, prog="specstop info",
+                       description="print a pair's models, tokenizer, parameter counts and cache location "
+                                   f"(known pairs: {', '.join(KNOWN_PAIRS)})")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return cmd
+
+
+def main(argv: list[str]) -> int:
+    args, flags = command().parse(argv)
+    info = pair_info(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    print(json.dumps(info, indent=2) if flags.json else format_info(info))
+    return 0
 
 
 def tokenizer_summary(tok) -> dict:
@@ -85,9 +103,3 @@ def format_info(info: dict) -> str:
     lines.append(f"cache: {c['root']}" + (f" (pair folder {c['pair_dir']})" if "pair_dir" in c else ""))
     lines.append(f"loaded in {info['load_seconds']:.1f}s")
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    info = pair_info(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
-    return 0

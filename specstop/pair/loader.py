@@ -270,16 +270,18 @@ def load_pair(
     check_dtype_name(dtype)
     draft_src = locate_model(draft, "draft", draft_revision)
     target_src = locate_model(target, "target", target_revision)
-    check_pair_fits(draft_src, target_src, resolve_dtype(dtype, device), offloaded=target_device_map is not None)
     with loading_errors(f"draft {draft!r}"):
         draft_tok = load_tokenizer(draft_src, draft_revision)
     with loading_errors(f"target {target!r}"):
         target_tok = load_tokenizer(target_src, target_revision)
     check_same_tokenizer(draft_tok, target_tok, draft, target)
+    # `auto` is resolved once, here (timed on this pair, or read from the cached timing); everything
+    # below - the memory check, both models, the record in manifests and reports - uses this choice.
     choice = _dtype_record(dtype, device, pair=(draft_src, target_src), workload=dtype_workload)
     if dtype in (None, "auto"):
         log.info("dtype auto -> %s (%s)", choice["dtype"], choice["reason"])
-        dtype = choice["dtype"]
+    dtype = resolve_dtype(choice["dtype"])
+    check_pair_fits(draft_src, target_src, dtype, offloaded=target_device_map is not None)
     with loading_errors(f"draft {draft!r}"):
         d_model = load_model(draft_src, dtype=dtype, device=device, revision=draft_revision)
     with loading_errors(f"target {target!r}"):

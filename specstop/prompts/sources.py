@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from specstop.config_cli import setting
 from specstop.errors import MissingInputError, UserError
 from specstop.prompts.builtin import BUILTINS, PREFIX, builtin_path, is_builtin, read_jsonl_gz
 from specstop.prompts.jsonfile import is_gzip_jsonl, read_json_records
@@ -39,7 +40,8 @@ class PromptSetConfig:
         template: a template name, ``field:<name>`` or a format string (see ``templates``).
         chat_template: wrap the rendered text in the tokenizer's chat template as a user turn.
         system_prompt: optional system message for the chat template.
-        hub_config, hub_split: the hub dataset's configuration and split.
+        hub_config: the hub dataset's configuration (for hub sources).
+        hub_split: the hub dataset's split (for hub sources).
         id_field: the record field holding a stable prompt id (default: ``task_id`` or ``id``
             when present, else the record's index).
         split_scheme: ``random``, ``mbpp`` or ``all:<split>``.
@@ -49,16 +51,16 @@ class PromptSetConfig:
     """
 
     source: str
-    template: str = "field:prompt"
-    chat_template: bool = True
-    system_prompt: str | None = None
+    template: str = setting("field:prompt", flags=("--template",))
+    chat_template: bool = setting(True, flags=("--chat-template",))
+    system_prompt: str | None = setting(None, flags=("--system-prompt",))
     hub_config: str | None = None
     hub_split: str | None = None
     id_field: str | None = None
-    split_scheme: str = "random"
+    split_scheme: str = setting("random", flags=("--split-scheme",))
     split_sizes: dict[str, int] | None = None
     seed: int = 0
-    limit: int | None = None
+    limit: int | None = setting(None, flags=("--limit",))
 
     def to_dict(self) -> dict:
         return asdict(self)

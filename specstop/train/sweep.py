@@ -12,15 +12,15 @@ validation F1, and - when ``specstop.eval.tune`` provides ``best_throughput(chec
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from specstop.cli_flags import add_deprecated_alias
+from specstop.config_cli import setting
 from specstop.config_io import read_yaml
 from specstop.errors import UserError
 from specstop.outputs import atomic_write_text
@@ -36,19 +36,42 @@ def _ints(text: str | None) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()] if text else []
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="base train YAML (configs/train/*.yaml)")
-    parser.add_argument("--w-rej", default="1,3,6,12", help="comma list of reject weights (SpecDec++: 1,3,6,12)")
-    parser.add_argument("--depth", default="", help="comma list of ResNet depths D (specdecpp_resnet only)")
-    parser.add_argument("--lr", default="", help="comma list of learning rates (default: the config's)")
-    parser.add_argument("--data", dest="data_dir", default=None, metavar="DIR", help="dataset folder (overrides data.init_args.data_dir)")
-    add_deprecated_alias(parser, "--data-dir", "--data", "data_dir")
-    parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
-    parser.add_argument("--out", required=True, help="output folder (runs + sweep.md + sweep.json)")
-    parser.add_argument("--no-baselines", action="store_true", help="skip the logistic-regression/static baselines")
-    parser.add_argument("--cost-model", default="llama2-7b-70b",
-                        help="cost model for the simulated-throughput column: a cost.json from `specstop calibrate-cost` "
-                        "(this machine) or a preset (default llama2-7b-70b: SpecDec++'s A100 figures, NOT this machine)")
+@dataclass
+class SweepSettings:
+    """The grid `specstop sweep` trains and where it writes."""
+
+    config: str | None = setting(None, flags=("--config",), required=True)
+    """Base train YAML (configs/train/*.yaml)."""
+    w_rej: str = setting("1,3,6,12", flags=("--w-rej",))
+    """Comma list of reject weights (SpecDec++: 1,3,6,12)."""
+    depth: str = setting("", flags=("--depth",))
+    """Comma list of ResNet depths D (specdecpp_resnet only)."""
+    lr: str = setting("", flags=("--lr",))
+    """Comma list of learning rates; empty = the config's."""
+    data_dir: str | None = setting(None, flags=("--data",), deprecated=("--data-dir",), metavar="DIR")
+    """Dataset folder (overrides data.init_args.data_dir)."""
+    max_epochs: int | None = setting(None, flags=("--max-epochs",))
+    """Override trainer.max_epochs."""
+    out: str | None = setting(None, flags=("--out",), required=True)
+    """Output folder (runs + sweep.md + sweep.json)."""
+    no_baselines: bool = setting(False, flags=("--no-baselines",), negatable=False)
+    """Skip the logistic-regression/static baselines."""
+    cost_model: str = setting("llama2-7b-70b", flags=("--cost-model",))
+    """Cost model for the simulated-throughput column: a cost.json from `specstop calibrate-cost` (this
+    machine) or a preset (default llama2-7b-70b: SpecDec++'s A100 figures, NOT this machine)."""
+
+
+def command():
+    """The parser (``--config`` here is the base train YAML, a setting of its own)."""
+    from specstop.config_cli import TypedCommand
+
+    return TypedCommand(SweepSettings, prog="specstop sweep", config_flag=False,
+                        description="train a grid of predictors and tabulate them (SpecDec++ Table 3)")
+
+
+def main(argv: list[str]) -> int:
+    args, _ = command().parse(argv)
+    return run(args)
 
 
 def _grid_config(base: dict, out: Path, name: str, w_rej: float, depth: int | None, lr: float | None, args) -> dict:
@@ -134,7 +157,7 @@ def run_grid(args) -> list[dict]:
             "val_auroc": val.get("auroc"),
             "val_f1": val.get("f1"),
             "checkpoint": str(Path(best).resolve()),
-            "simulated": _simulated_throughput(best, dm.data_dir, getattr(args, "cost_model", "llama2-7b-70b")),
+            "simulated": _simulated_throughput(best, dm.data_dir, args.cost_model),
             "validation": val,
         }
         rows.append(row)

@@ -30,7 +30,7 @@ def sync(device) -> None:
 class CachedForward:
     """A model with a KV cache filled to the context length; times feeds and rolls them back.
     ``batch`` > 1 holds that many copies of the context and feeds every row the same tokens
-    (:mod:`specstop.eval.batch_cost`: the cost of a round at batch size B)."""
+    (:mod:`specstop.measure.batch_cost`: the cost of a round at batch size B)."""
 
     def __init__(self, model, context: list[int], batch: int = 1) -> None:
         from transformers import DynamicCache

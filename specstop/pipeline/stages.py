@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specstop.data_gen.storage import atomic_write_json, read_json_or_none
 from specstop.errors import ResourceLimitError, UserError
+from specstop.jsonio import atomic_write_json, read_json_or_none
 from specstop.memory import PeakRSS, guarded_stage
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ off; the re-fit (and the probability bookkeeping that feeds it) runs only when
 ``type(self) is AssistedCandidateGenerator``. :class:`TunedAssistedCandidateGenerator` is a
 subclass that changes nothing else, so HF's drafting, confidence stop, schedules, verification
 and sampling run unchanged with the tuned threshold held fixed. :func:`tuned_assisted_generation`
-injects it the way :mod:`specstop.export.hf_assist` injects its policy generator (by replacing
+injects it the way :mod:`specstop.decode.hf_assist` injects its policy generator (by replacing
 ``_get_candidate_generator`` on the target instance for the duration of a block).
 
 Usage::

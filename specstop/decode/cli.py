@@ -2,67 +2,82 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 
+from specstop.config_cli import TypedCommand, setting
 from specstop.config_io import check_range
 from specstop.errors import UserError
+from specstop.pair.settings import PairSettings
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pair", help="known pair name or a folder with draft/ and target/")
-    parser.add_argument("--draft", help="draft model folder or hub id (with --target, instead of --pair)")
-    parser.add_argument("--target", help="target model folder or hub id")
-    parser.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
-    parser.add_argument(
-        "--policy",
-        default="static:4",
-        help="static:K | heuristic[:START] | confidence[:TAU] | an export folder (default static:4); token trees: "
-        "mcsd:K1,K2,... (MCSD k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); "
-        "parallel: pearl (window round(t_target / t_draft)) | pearl:GAMMA; an export of a tuned token tree "
-        "(specstop export --policy tree_opt) runs the tree decoder",
-    )
-    parser.add_argument(
-        "--node-head", default=None, metavar="CKPT",
-        help="tree:N only: grow the tree by this tree_node_mlp checkpoint's predicted path acceptance "
-        "instead of the joint draft probability (still lossless)",
-    )
-    parser.add_argument(
-        "--target-init", type=int, default=None, metavar="T",
-        help="NOT LOSSLESS (changes the output, greedy included, for T >= 2): improved MCSD's target-initialized "
-        "multi-candidate generation - each round starts from T tokens of the target's distribution and emits the "
-        "one whose drafted continuation is accepted longest; mcsd:K1,K2,... policies only (T=1 is lossless)",
-    )
-    parser.add_argument(
-        "--cost-model", default=None,
-        help="pearl: take the window from this cost model (preset or cost.json from calibrate-cost); "
-        "default: a quick measurement on the workers' cores",
-    )
-    parser.add_argument("--pearl-cores", default=None, metavar="D,T",
-                        help="pearl on CPU: D cores for the draft, T for the target (default: a quarter for the draft)")
-    parser.add_argument("--pearl-no-pre-verify", action="store_true", help="pearl ablation: no pre-verify")
-    parser.add_argument("--pearl-no-post-verify", action="store_true", help="pearl ablation: no post-verify")
-    parser.add_argument(
-        "--stop", default=None, metavar="POLICY",
-        help="pearl: end each window early when this stopping policy says stop (confidence:TAU | static:K | an "
-        "export folder); the rest of the window is not drafted, acceptance is unchanged (still lossless)",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    parser.add_argument("--json", action="store_true", help="print one JSON line: token ids, text, counters, timings")
-    parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as is")
-    parser.add_argument("--system-prompt", default=None, help="system message for the chat template")
-    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (the pair's fastest on this machine, timed once and cached)")
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
-    parser.add_argument("--static-cache", action="store_true", help="use a static KV cache (CUDA regime)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile both models (implies --static-cache)")
-    parser.add_argument(
-        "--allow-draft-mismatch", action="store_true", help="load an export made for another draft/tokenizer"
-    )
+@dataclass
+class DecodeSettings(PairSettings):
+    """What `specstop decode` runs: the pair, the prompt, the policy and how tokens are drawn."""
+
+    prompt: str | None = setting(None, flags=("--prompt",))
+    """The prompt text ('-' reads stdin)."""
+    policy: str = setting("static:4", flags=("--policy",))
+    """static:K | heuristic[:START] | confidence[:TAU] | an export folder; token trees: mcsd:K1,K2,...
+    (MCSD k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); parallel:
+    pearl (window round(t_target / t_draft)) | pearl:GAMMA; an export of a tuned token tree (specstop
+    export --policy tree_opt) runs the tree decoder."""
+    node_head: str | None = setting(None, flags=("--node-head",), metavar="CKPT")
+    """tree:N only: grow the tree by this tree_node_mlp checkpoint's predicted path acceptance instead
+    of the joint draft probability (still lossless)."""
+    target_init: int | None = setting(None, flags=("--target-init",), metavar="T")
+    """NOT LOSSLESS (changes the output, greedy included, for T >= 2): improved MCSD's
+    target-initialized multi-candidate generation - each round starts from T tokens of the target's
+    distribution and emits the one whose drafted continuation is accepted longest; mcsd:K1,K2,...
+    policies only (T=1 is lossless)."""
+    cost_model: str | None = setting(None, flags=("--cost-model",))
+    """pearl: take the window from this cost model (preset or cost.json from calibrate-cost); null = a
+    quick measurement on the workers' cores."""
+    pearl_cores: str | None = setting(None, flags=("--pearl-cores",), metavar="D,T")
+    """pearl on CPU: D cores for the draft, T for the target; null = a quarter for the draft."""
+    pearl_no_pre_verify: bool = setting(False, flags=("--pearl-no-pre-verify",), negatable=False)
+    """pearl ablation: no pre-verify."""
+    pearl_no_post_verify: bool = setting(False, flags=("--pearl-no-post-verify",), negatable=False)
+    """pearl ablation: no post-verify."""
+    stop: str | None = setting(None, flags=("--stop",), metavar="POLICY")
+    """pearl: end each window early when this stopping policy says stop (confidence:TAU | static:K |
+    an export folder); the rest of the window is not drafted, acceptance is unchanged (still lossless)."""
+    max_new_tokens: int = setting(256, flags=("--max-new-tokens",))
+    """Tokens to generate at most."""
+    temperature: float = setting(0.0, flags=("--temperature",))
+    """Sampling temperature; 0 = greedy."""
+    top_k: int = setting(0, flags=("--top-k",))
+    """Sampling: keep the k most likely tokens (0 disables)."""
+    top_p: float = setting(1.0, flags=("--top-p",))
+    """Sampling: nucleus mass (1.0 disables)."""
+    seed: int | None = setting(None, flags=("--seed",))
+    """Seed for sampling."""
+    chat_template: bool = setting(True, flags=("--chat-template",))
+    """Render the prompt with the tokenizer's chat template (--no-chat-template feeds it as is)."""
+    system_prompt: str | None = setting(None, flags=("--system-prompt",))
+    """System message for the chat template."""
+    static_cache: bool = setting(False, flags=("--static-cache",))
+    """Use a static KV cache (CUDA regime)."""
+    compile: bool = setting(False, flags=("--compile",))
+    """torch.compile both models (implies --static-cache)."""
+    allow_draft_mismatch: bool = setting(False, flags=("--allow-draft-mismatch",))
+    """Load an export made for another draft/tokenizer."""
+
+
+def command() -> TypedCommand:
+    """The parser: every :class:`DecodeSettings` setting and ``--json``."""
+    cmd = TypedCommand(DecodeSettings, prog="specstop decode",
+                       description="lossless speculative decoding of one prompt with any stopping policy")
+    cmd.add_argument("--json", action="store_true", help="print one JSON line: token ids, text, counters, timings")
+    return cmd
+
+
+def main(argv: list[str]) -> int:
+    args, flags = command().parse(argv)
+    if args.prompt is None:
+        raise UserError("no prompt: pass --prompt TEXT ('-' reads it from stdin)")
+    return run(args, as_json=flags.json)
 
 
 def render(text: str, tokenizer, chat_template: bool, system_prompt: str | None = None) -> list[int]:
@@ -83,9 +98,9 @@ def render(text: str, tokenizer, chat_template: bool, system_prompt: str | None 
     return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: DecodeSettings, as_json: bool = False) -> int:
     from specstop.decode import TreeDecoder, parse_tree_policy
-    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy, check_policy_inputs
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
@@ -138,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         )
         check_policy_inputs(policy, pair.draft_identity.hidden_size, args.policy)
         decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
-    prompt_ids = render(text, pair.tokenizer, not args.no_chat_template, args.system_prompt)
+    prompt_ids = render(text, pair.tokenizer, args.chat_template, args.system_prompt)
     check_fits(
         pair, len(prompt_ids) + args.max_new_tokens,
         f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens {args.max_new_tokens}",
@@ -151,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if pearl is not None:
             decoder.close()  # the worker processes end here (generate ends them itself on errors)
-    if args.json:
+    if as_json:
         print(json.dumps({"prompt_ids": prompt_ids, **result.to_dict()}))
     else:
         print(result.text)
@@ -175,7 +190,7 @@ def _tree_export(policy: str):
     return load_tree_export(policy)
 
 
-def _node_head(args: argparse.Namespace, shape):
+def _node_head(args: DecodeSettings, shape):
     """The ``--node-head`` scorer (None without the flag); refused in one line for other policies."""
     if getattr(args, "node_head", None) is None:
         return None
@@ -188,7 +203,7 @@ def _node_head(args: argparse.Namespace, shape):
     return load_node_head(args.node_head)
 
 
-def _pearl_options(args: argparse.Namespace):
+def _pearl_options(args: DecodeSettings):
     """``(spec, cores, cost)`` for ``--policy pearl[:GAMMA]`` (None for other policies), every problem a
     one-line error before any model is loaded."""
     from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy, split_cores

@@ -45,7 +45,7 @@ from specstop.eval.cost_check import (
     table_problems,
     table_warnings,
 )
-from specstop.eval.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward, sync
+from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward, sync
 
 log = logging.getLogger("specstop")
 
@@ -58,43 +58,6 @@ DEFAULT_PROMPTS = (
 # Token-tree costs (the cost model's "tree" section): verified tree nodes N, draft frontier widths W.
 TREE_N_GRID = (1, 2, 4, 8, 16, 32)
 TREE_W_GRID = (1, 2, 4, 8, 16)
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--pair", help="pair name or folder with draft/ and target/")
-    p.add_argument("--draft", help="draft model folder or hub id (with --target)")
-    p.add_argument("--target", help="target model folder or hub id (with --draft)")
-    p.add_argument("--data", help="a specstop dataset: measure at its decoding context length (prompt + half a response)")
-    p.add_argument("--prompts", help="text file (one prompt per line) or JSONL with a 'prompt'/'text' field")
-    p.add_argument("--context-tokens", type=int, default=None,
-                   help="KV cache length to measure at (default: from --data, else 256)")
-    p.add_argument("--budget", type=float, default=60.0, help="seconds of measuring (at least 3 rounds are always taken)")
-    p.add_argument("--k-grid", default=",".join(map(str, K_GRID)), help="drafted lengths K to time (comma-separated)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto (this machine's fastest lossless dtype), float32, bfloat16, float16")
-    p.add_argument("--checkpoint", action="append", default=None, metavar="[NAME=]PATH",
-                   help="also time this stopping predictor's per-step decision (repeatable)")
-    p.add_argument("--no-tree", action="store_true",
-                   help="skip timing token-tree verification (N tree nodes in one target forward) and draft frontiers "
-                        "of W nodes (the cost model's 'tree' section; tree rounds are then priced from the K table)")
-    p.add_argument("--batch-grid", default=None, metavar="B,B,...",
-                   help="also time t_draft(B) and t_target(B, K) at these batch sizes (e.g. 1,2,4,8; the cost "
-                        "model's 'batch' section, which `specstop tune` turns into a schedule per batch size); "
-                        "off by default")
-    p.add_argument("--no-pearl-split", action="store_true",
-                   help="skip timing PEARL's core split (each model on its share of the cores, beside the other; "
-                        "the replay then prices PEARL with perfect overlap)")
-    p.add_argument("--out", default="cost.json", help="cost model JSON to write (a plot goes beside it)")
-    p.add_argument("--no-plot", action="store_true")
-    # Kept so older scripts run: --repeats/--max-prompts no longer steer the measurement.
-    p.add_argument("--repeats", type=int, default=None, help=argparse_suppress())
-    p.add_argument("--max-prompts", type=int, default=None, help=argparse_suppress())
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def read_prompts(path: str | None, limit: int = 8) -> list[str]:
@@ -411,7 +374,7 @@ def settle_order(pair, context: list[int], raw: dict, *, context_tokens: int, bu
 def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: int, tokens: int = 12) -> dict:
     """What the real decoder pays for rounds the table prices, at the calibration's context.
 
-    Two runs of :class:`~specstop.export.decoder.SpeculativeDecoder` (greedy): target-only steps
+    Two runs of :class:`~specstop.decode.chain.SpeculativeDecoder` (greedy): target-only steps
     (every round K = 0) against t_target(0), and static K = 4 rounds against the table's round cost
     for the K each round drafted (draft steps included). The first round of each run is left out
     (it also feeds the prompt's last token).
@@ -420,7 +383,7 @@ def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: 
         ``{check: {"measured": s, "predicted": s, "ratio": measured / predicted, "rounds": n}}``, seconds
         per round.
     """
-    from specstop.export.decoder import SpeculativeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
     from specstop.export.runtime import StoppingPolicy
 
     prompt = context[:context_tokens]
@@ -573,103 +536,3 @@ def calibration_plot(path: Path, cost: CostModel, raw: dict) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _named_checkpoints(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        name, _, path = item.rpartition("=")
-        out[name or Path(path).stem] = path
-    return out
-
-
-def run(args) -> int:
-    from specstop.export.runtime import StoppingPolicy
-    from specstop.pair.registry import load_named_pair
-
-    try:
-        k_grid = tuple(sorted({int(k) for k in str(args.k_grid).split(",") if k.strip()}))
-    except ValueError:
-        raise UserError(f"--k-grid takes comma-separated integers, got {args.k_grid!r}") from None
-    if not k_grid or min(k_grid) < 0:
-        raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
-    if not args.budget > 0:
-        raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
-    batch_grid = None
-    if args.batch_grid:  # checked before minutes of timing
-        from specstop.eval.batch_cost import parse_batch_grid, time_batch
-
-        batch_grid = parse_batch_grid(args.batch_grid)
-    from specstop.outputs import check_writable
-
-    check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
-    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
-    from specstop.pair.context import check_fits
-
-    check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "
-               f"verify block of K = {max(k_grid)} + 1", "lower --context-tokens (or --k-grid)")
-    if args.data:
-        context, n_ctx = context_from_data(args.data)
-    else:
-        n_ctx = args.context_tokens or 256
-        context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
-    if args.context_tokens:
-        n_ctx = args.context_tokens
-        if len(context) < n_ctx + max(k_grid) + 1:
-            context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
-    policies = {"confidence": StoppingPolicy.from_string("confidence:0.4")}
-    for name, path in _named_checkpoints(args.checkpoint).items():
-        policies[name] = _policy_from_checkpoint(path)
-    cost, raw = calibrate(pair, context=context, context_tokens=n_ctx, budget_s=args.budget, k_grid=k_grid,
-                          policies=policies, name=Path(args.out).name, measure_pearl=not args.no_pearl_split,
-                          measure_tree=not args.no_tree)
-    if batch_grid:
-        cost = replace(cost, batch=checked_side_table(
-            "batch", lambda: time_batch(pair, context, context_tokens=n_ctx, k_grid=k_grid, batch_sizes=batch_grid,
-                                        budget_s=args.budget), lambda b: batch_disagreement(b, cost)))
-    cost.save(args.out)
-    if not args.no_plot:
-        png = calibration_plot(Path(args.out).with_suffix(".png"), cost, raw)
-        log.info("plot: %s", png)
-    t = cost.target_by_k
-    log.info("%s", cost.provenance_line())
-    check = cost.fit["check"]
-    if check["warnings"]:
-        log.warning("cost table: samples still spread after a re-measure (medians kept): %s", "; ".join(check["warnings"]))
-    if check["problems"]:
-        log.warning("cost table check FAILED (tune, eval and pipeline refuse it without --force-cost): %s",
-                    "; ".join(check["problems"]))
-    if cost.pearl_split:
-        m = cost.pearl_split["measured"]
-        log.info("PEARL split (%s): draft step %.3f s alone, %.3f s beside the target; target pass of %d tokens "
-                 "%.3f s alone, %.3f s beside the draft (%.2fx the whole machine's)", m["workers"], m["draft_alone_s"],
-                 m["draft_beside_target_s"], m["target_tokens"], m["target_alone_s"], m["target_beside_draft_s"],
-                 cost.pearl_split["target_scale"])
-    if cost.tree:
-        log.info("token trees: target forward over N nodes %s; draft forward over W nodes %s",
-                 ", ".join(f"N={n}: {v:.3f} s" for n, v in cost.tree["t_target_tree"].items()),
-                 ", ".join(f"W={w}: {v:.3f} s" for w, v in cost.tree["t_draft_width"].items()))
-    if not check["problems"]:
-        agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
-        log.info("cost table check passed%s%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",
-                 f"; reproduced as measured: K = {check['reproduced']}" if check["reproduced"] else "",
-                 f"; decoder / table: {agree}" if agree else "")
-    log.info("t_draft %.4f s/step; t_target(K): %s; policy step %s -> %s", cost.t_draft,
-             ", ".join(f"K={k}: {v:.3f}" for k, v in t.items()),
-             ", ".join(f"{n} {1e3 * s:.2f} ms" for n, s in (cost.policy_per_step or {}).items()), args.out)
-    return 0
-
-
-def _policy_from_checkpoint(path: str):
-    """A StoppingPolicy around a checkpoint's or an export's predictor (its threshold is irrelevant for timing)."""
-    from specstop.export.runtime import StoppingPolicy
-
-    if Path(path).is_dir():
-        return StoppingPolicy.from_pretrained(path, allow_draft_mismatch=True)
-    from specstop.eval.scoring import family_rule, load_checkpoint
-    from specstop.policy import PolicySpec
-
-    predictor, meta = load_checkpoint(path)
-    family = meta.get("family") or predictor.family
-    rule, reads = family_rule(family, predictor.feature_spec.kind)
-    return StoppingPolicy(PolicySpec(kind="predictor", family=family, rule=rule, reads=reads, threshold=0.5), predictor)

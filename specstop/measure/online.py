@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from specstop.eval.replay import add_hists
-from specstop.eval.step_timing import sync
+from specstop.measure.step_timing import sync
 
 FLAG_TOLERANCE = 0.10
 CI = 0.90
@@ -108,7 +108,7 @@ class Measurement:
 
 def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = None, seed: int = 0,
                    replay_speedup: float | None = None, same_prompts=None, kind: str = "ours") -> Method:
-    """A :class:`Method` running our :class:`~specstop.export.decoder.SpeculativeDecoder`."""
+    """A :class:`Method` running our :class:`~specstop.decode.chain.SpeculativeDecoder`."""
 
     def fn(ids: list[int], max_new: int) -> Run:
         res = decoder.generate(ids, max_new, seed=seed, max_draft=max_draft)
@@ -169,7 +169,7 @@ def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=N
     target = pair.target if target is None else target
     from transformers import GenerationConfig
 
-    from specstop.export.hf_assist import use_policy
+    from specstop.decode.hf_assist import use_policy
 
     padded = list(range(pair.vocab_size, pair.target_identity.logits_size)) or None
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=False, num_beams=1, repetition_penalty=1.0,
@@ -195,7 +195,7 @@ def hf_target_method(name: str, pair) -> Method:
 
 
 def hf_policy_method(name: str, pair, policy) -> Method:
-    """HF assisted generation whose draft length our policy decides (:mod:`specstop.export.hf_assist`)."""
+    """HF assisted generation whose draft length our policy decides (:mod:`specstop.decode.hf_assist`)."""
     return Method(name, lambda ids, max_new: _hf_generate(pair, ids, max_new, assistant=pair.draft, policy=policy),
                   "hf", policy.spec)
 
@@ -234,7 +234,7 @@ def load_stock_models(pair) -> tuple:
 
 
 def _eos(pair) -> set[int]:
-    from specstop.export.decoder import eos_token_ids
+    from specstop.decode.chain import eos_token_ids
 
     return eos_token_ids(pair)
 

@@ -4,11 +4,11 @@ At batch size B a round of speculative decoding is one draft forward over B rows
 one target forward over B rows of K + 1 tokens. Neither costs B times the batch-1 figure: weights are
 read once per forward, so on memory-bound hardware a larger batch is nearly free at first and
 verification stops being so once the B x (K + 1) rows make the forward compute-bound. Both are
-measured the way :func:`specstop.eval.calibrate.time_pair` measures batch 1, with its cached-model
+measured the way :func:`specstop.measure.calibrate.time_pair` measures batch 1, with its cached-model
 helper (every row holds the same context of ``context_tokens`` tokens; each forward is rolled back):
 
 * warm-up per B: one draft step and target passes at the smallest, K = 1 and the largest K;
-* then rounds until ``budget_s`` (at least :data:`~specstop.eval.calibrate.MIN_ROUNDS`): in each,
+* then rounds until ``budget_s`` (at least :data:`~specstop.measure.calibrate.MIN_ROUNDS`): in each,
   every (B, K) target pass and every B's draft steps once, in a shuffled order, so drift and other
   load spread over the whole grid alike;
 * the medians are the costs, the interquartile ranges are kept beside them.
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from specstop.errors import UserError
-from specstop.eval.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward
+from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward
 
 log = logging.getLogger("specstop")
 

@@ -1,0 +1,173 @@
+"""``specstop calibrate-cost``: the command's settings and flags; the measuring is :mod:`specstop.measure.calibrate`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specstop.config_cli import TypedCommand, setting
+from specstop.errors import UserError
+from specstop.measure.calibrate import (
+    batch_disagreement,
+    build_context,
+    calibrate,
+    calibration_plot,
+    checked_side_table,
+    context_from_data,
+    read_prompts,
+)
+from specstop.measure.step_timing import K_GRID
+from specstop.pair.settings import PairSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrateSettings(PairSettings):
+    """What `specstop calibrate-cost` measures, at which context, for how long."""
+
+    data: str | None = setting(None, flags=("--data",))
+    """A specstop dataset: measure at its decoding context length (prompt + half a response)."""
+    prompts: str | None = setting(None, flags=("--prompts",))
+    """Text file (one prompt per line) or JSONL with a 'prompt'/'text' field; null = built-in prompts."""
+    context_tokens: int | None = setting(None, flags=("--context-tokens",))
+    """KV cache length to measure at; null = from --data, else 256."""
+    budget: float = setting(60.0, flags=("--budget",))
+    """Seconds of measuring (at least 3 rounds are always taken)."""
+    k_grid: str = setting(",".join(map(str, K_GRID)), flags=("--k-grid",))
+    """Drafted lengths K to time (comma-separated)."""
+    checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
+                                    repeatable=True)
+    """Also time this stopping predictor's per-step decision (repeatable)."""
+    no_tree: bool = setting(False, flags=("--no-tree",), negatable=False)
+    """Skip timing token-tree verification (N tree nodes in one target forward) and draft frontiers
+    of W nodes (the cost model's 'tree' section; tree rounds are then priced from the K table)."""
+    batch_grid: str | None = setting(None, flags=("--batch-grid",), metavar="B,B,...")
+    """Also time t_draft(B) and t_target(B, K) at these batch sizes (e.g. 1,2,4,8; the cost model's
+    'batch' section, which `specstop tune` turns into a schedule per batch size); off by default."""
+    no_pearl_split: bool = setting(False, flags=("--no-pearl-split",), negatable=False)
+    """Skip timing PEARL's core split (each model on its share of the cores, beside the other; the
+    replay then prices PEARL with perfect overlap)."""
+    out: str = setting("cost.json", flags=("--out",))
+    """Cost model JSON to write (a plot goes beside it)."""
+    no_plot: bool = setting(False, flags=("--no-plot",), negatable=False)
+    """Write no plot."""
+
+
+def command() -> TypedCommand:
+    """The parser: every :class:`CalibrateSettings` setting."""
+    import argparse
+
+    cmd = TypedCommand(CalibrateSettings, prog="specstop calibrate-cost",
+                       description="measure draft/target step costs on this hardware")
+    # Kept so older scripts run: they no longer steer the measurement.
+    cmd.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
+    cmd.add_argument("--max-prompts", type=int, default=None, help=argparse.SUPPRESS)
+    return cmd
+
+
+def main(argv: list[str]) -> int:
+    args, _ = command().parse(argv)
+    return run(args)
+
+
+def _named_checkpoints(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, _, path = item.rpartition("=")
+        out[name or Path(path).stem] = path
+    return out
+
+
+def run(args: CalibrateSettings) -> int:
+    from specstop.export.runtime import StoppingPolicy
+    from specstop.pair.registry import load_named_pair
+
+    try:
+        k_grid = tuple(sorted({int(k) for k in str(args.k_grid).split(",") if k.strip()}))
+    except ValueError:
+        raise UserError(f"--k-grid takes comma-separated integers, got {args.k_grid!r}") from None
+    if not k_grid or min(k_grid) < 0:
+        raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
+    if not args.budget > 0:
+        raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    batch_grid = None
+    if args.batch_grid:  # checked before minutes of timing
+        from specstop.measure.batch_cost import parse_batch_grid, time_batch
+
+        batch_grid = parse_batch_grid(args.batch_grid)
+    from specstop.outputs import check_writable
+
+    check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
+    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    from specstop.pair.context import check_fits
+
+    check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "
+               f"verify block of K = {max(k_grid)} + 1", "lower --context-tokens (or --k-grid)")
+    if args.data:
+        context, n_ctx = context_from_data(args.data)
+    else:
+        n_ctx = args.context_tokens or 256
+        context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
+    if args.context_tokens:
+        n_ctx = args.context_tokens
+        if len(context) < n_ctx + max(k_grid) + 1:
+            context = build_context(pair.tokenizer, read_prompts(args.prompts), n_ctx)
+    policies = {"confidence": StoppingPolicy.from_string("confidence:0.4")}
+    for name, path in _named_checkpoints(args.checkpoint).items():
+        policies[name] = _policy_from_checkpoint(path)
+    cost, raw = calibrate(pair, context=context, context_tokens=n_ctx, budget_s=args.budget, k_grid=k_grid,
+                          policies=policies, name=Path(args.out).name, measure_pearl=not args.no_pearl_split,
+                          measure_tree=not args.no_tree)
+    if batch_grid:
+        cost = replace(cost, batch=checked_side_table(
+            "batch", lambda: time_batch(pair, context, context_tokens=n_ctx, k_grid=k_grid, batch_sizes=batch_grid,
+                                        budget_s=args.budget), lambda b: batch_disagreement(b, cost)))
+    cost.save(args.out)
+    if not args.no_plot:
+        png = calibration_plot(Path(args.out).with_suffix(".png"), cost, raw)
+        log.info("plot: %s", png)
+    t = cost.target_by_k
+    log.info("%s", cost.provenance_line())
+    check = cost.fit["check"]
+    if check["warnings"]:
+        log.warning("cost table: samples still spread after a re-measure (medians kept): %s", "; ".join(check["warnings"]))
+    if check["problems"]:
+        log.warning("cost table check FAILED (tune, eval and pipeline refuse it without --force-cost): %s",
+                    "; ".join(check["problems"]))
+    if cost.pearl_split:
+        m = cost.pearl_split["measured"]
+        log.info("PEARL split (%s): draft step %.3f s alone, %.3f s beside the target; target pass of %d tokens "
+                 "%.3f s alone, %.3f s beside the draft (%.2fx the whole machine's)", m["workers"], m["draft_alone_s"],
+                 m["draft_beside_target_s"], m["target_tokens"], m["target_alone_s"], m["target_beside_draft_s"],
+                 cost.pearl_split["target_scale"])
+    if cost.tree:
+        log.info("token trees: target forward over N nodes %s; draft forward over W nodes %s",
+                 ", ".join(f"N={n}: {v:.3f} s" for n, v in cost.tree["t_target_tree"].items()),
+                 ", ".join(f"W={w}: {v:.3f} s" for w, v in cost.tree["t_draft_width"].items()))
+    if not check["problems"]:
+        agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
+        log.info("cost table check passed%s%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",
+                 f"; reproduced as measured: K = {check['reproduced']}" if check["reproduced"] else "",
+                 f"; decoder / table: {agree}" if agree else "")
+    log.info("t_draft %.4f s/step; t_target(K): %s; policy step %s -> %s", cost.t_draft,
+             ", ".join(f"K={k}: {v:.3f}" for k, v in t.items()),
+             ", ".join(f"{n} {1e3 * s:.2f} ms" for n, s in (cost.policy_per_step or {}).items()), args.out)
+    return 0
+
+
+def _policy_from_checkpoint(path: str):
+    """A StoppingPolicy around a checkpoint's or an export's predictor (its threshold is irrelevant for timing)."""
+    from specstop.export.runtime import StoppingPolicy
+
+    if Path(path).is_dir():
+        return StoppingPolicy.from_pretrained(path, allow_draft_mismatch=True)
+    from specstop.eval.scoring import family_rule
+    from specstop.models.checkpoint import load_predictor
+    from specstop.policy import PolicySpec
+
+    predictor, meta = load_predictor(path)
+    family = meta.get("family") or predictor.family
+    rule, reads = family_rule(family, predictor.feature_spec.kind)
+    return StoppingPolicy(PolicySpec(kind="predictor", family=family, rule=rule, reads=reads, threshold=0.5), predictor)
