@@ -149,9 +149,9 @@ def main(argv=None) -> int:
     from specstop.decode.pearl_workers import PearlWorkers
     from specstop.decode.tree_shape import DynamicTreeShape
     from specstop.errors import UserError
-    from specstop.measure import online
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.runtime import StoppingPolicy
+    from specstop.measure import online
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
 

@@ -213,8 +213,8 @@ def test_calibrate_times_pearls_core_split():
 def test_side_tables_are_checked_against_the_k_table_and_measured_again():
     """A tree or batch table timed while the machine was busy (every entry 3x the K table) is
     measured once more; one that agrees is kept as measured."""
-    from specstop.measure.calibrate import checked_side_table
     from specstop.eval.cost_check import section_disagreement
+    from specstop.measure.calibrate import checked_side_table
 
     k_table = {0: 0.24, 1: 0.22, 4: 0.25, 8: 0.27}
     assert section_disagreement({k: v * 1.1 for k, v in k_table.items()}, k_table) is None

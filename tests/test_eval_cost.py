@@ -38,8 +38,8 @@ def test_json_round_trip(tmp_path):
 
 
 def test_calibrate_tiny_pair(tmp_path):
-    from specstop.measure.calibrate import build_context, calibrate, calibration_plot
     from specstop.export.runtime import StoppingPolicy
+    from specstop.measure.calibrate import build_context, calibrate, calibration_plot
     from specstop.testing import tiny_pair
 
     pair = tiny_pair()

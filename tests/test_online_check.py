@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specstop.measure import online
 from specstop.eval.cost import CostModel
+from specstop.measure import online
 
 
 def _run(seconds: float, k_hist: list[int] | None = None, tokens: int = 10, prefill: float = 0.0) -> online.Run:

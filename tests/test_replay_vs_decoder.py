@@ -136,9 +136,9 @@ def test_online_check_replays_the_same_prompts_round_for_round(setup):
     """The online check's like-for-like prediction (same prompts, budget cut below the dataset's,
     the export's own predictor scoring the split) has the decoder's rounds on every prompt, and its
     speedup is the cost model priced on exactly those rounds."""
-    from specstop.measure import online
     from specstop.eval.cost import CostModel
     from specstop.eval.same_prompts import replay_policies
+    from specstop.measure import online
 
     pair, data, prompt_ids, predictors = setup
     budget = MAX_NEW - 7  # cut responses: rounds near the new end are capped as the decoder caps them

@@ -287,8 +287,8 @@ def test_decode_cli_tree_policies(tiny_pair_dir, capsys):
 
 
 def test_tree_rounds_priced_by_the_cost_model(pair, prompts):
-    from specstop.measure import online
     from specstop.eval.cost import CostModel
+    from specstop.measure import online
 
     cost = CostModel(t_draft=0.01, t_target=0.1, target_by_k={0: 0.1, 4: 0.12, 16: 0.2}, provenance="measured")
     # Two tree rounds (8 and 3 nodes) and one target-only step; 5 tree expansions besides the 2 catch-up feeds.

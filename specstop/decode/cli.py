@@ -185,7 +185,7 @@ def _tree_export(policy: str):
 
     if not Path(policy).is_dir():
         return None
-    from specstop.export.runtime import load_tree_export
+    from specstop.decode.node_head import load_tree_export
 
     return load_tree_export(policy)
 

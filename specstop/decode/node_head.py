@@ -75,3 +75,30 @@ def load_node_head(path: str | Path) -> NodeHeadScorer:
 
     predictor, meta = load_predictor(path)
     return NodeHeadScorer(predictor, meta, str(path))
+
+
+def load_tree_export(path: str | Path):
+    """The token-tree policy of an export folder: ``(policy text, node head scorer or None)``, or None
+    when the export is a chain policy (no ``tree`` entry in its config).
+
+    Raises:
+        UserError: a malformed ``tree`` entry or node head (re-export).
+    """
+    from specstop.export.folder import CONFIG_NAME
+    from specstop.export.reading import load_predictor_weights, read_export_config
+
+    path = Path(path)
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        return None
+    config = read_export_config(cfg_path)
+    tree = config.get("tree")
+    if tree is None:
+        return None
+    if not isinstance(tree, dict) or not isinstance(tree.get("policy"), str):
+        raise UserError(f"{cfg_path}: 'tree' must hold the tree policy text (mcsd:... or tree:N); re-export it")
+    head = None
+    if tree.get("node_head") is not None:
+        predictor = load_predictor_weights(path, cfg_path, tree["node_head"]).eval()
+        head = NodeHeadScorer(predictor, {"dataset": {"pair": config.get("pair")}}, f"{path} node head")
+    return tree["policy"], head

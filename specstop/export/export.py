@@ -43,7 +43,8 @@ from specstop.export.folder import (
     is_export_file,
     write_export_files,
 )
-from specstop.export.runtime import StoppingPolicy, load_tree_export
+from specstop.export.reading import load_predictor_weights
+from specstop.export.runtime import StoppingPolicy
 from specstop.jsonio import read_json
 from specstop.models import StoppingPredictor
 from specstop.models.checkpoint import load_predictor
@@ -300,8 +301,10 @@ def write_export_folder(
             written = {**written, "export_check": {"batch": 256, "max_abs_diff": diff}}
         else:
             StoppingPolicy.from_pretrained(folder)  # the config must at least load
-        if written.get("tree") is not None:
-            load_tree_export(folder)  # the tree policy (and its node head) must load too
+        tree = written.get("tree")
+        if tree is not None and tree.get("node_head") is not None:
+            # The tree decoder builds its node scorer from these weights: they must load too.
+            load_predictor_weights(folder, folder / CONFIG_NAME, tree["node_head"])
         return written
 
     return write_export_files(out, config, predictor, node_head=node_head, after_weights=check)

@@ -22,13 +22,13 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
 
     from specstop.data_gen.storage import load_table, read_manifest
     from specstop.decode.chain import SpeculativeDecoder
-    from specstop.measure import online
     from specstop.eval.cost import load_cost_model
-    from specstop.measure.online_budget import size_online_check
     from specstop.eval.report import row_key_for_policy
     from specstop.eval.same_prompts import applies as same_prompts_apply
     from specstop.eval.same_prompts import replay_policies
     from specstop.export.runtime import StoppingPolicy
+    from specstop.measure import online
+    from specstop.measure.online_budget import size_online_check
     from specstop.pair.registry import load_named_pair
     from specstop.policy import PolicySpec
     from specstop.probs import DecodingConfig
