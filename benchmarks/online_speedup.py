@@ -147,13 +147,13 @@ def main(argv=None) -> int:
     from specstop.decode.pearl import PearlDecoder
     from specstop.decode.pearl_spec import PearlSpec
     from specstop.decode.pearl_workers import PearlWorkers
-    from specstop.decode.tree_shape import DynamicTreeShape
     from specstop.errors import UserError
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.runtime import StoppingPolicy
     from specstop.measure import online
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
+    from specstop.tree_policy import DynamicTreeShape
 
     pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
     names = None

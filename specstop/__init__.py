@@ -30,7 +30,7 @@ _PUBLIC = {
     "SpeculativeDecoder": "specstop.decode.chain",
     "DecodeResult": "specstop.decode.chain",
     "TreeDecoder": "specstop.decode.tree_decoder",
-    "parse_tree_policy": "specstop.decode.tree_shape",
+    "parse_tree_policy": "specstop.tree_policy",
     "PearlDecoder": "specstop.decode.pearl",
     "BatchedSpeculativeDecoder": "specstop.decode.batched",
     "BatchDecodeResult": "specstop.decode.batched",

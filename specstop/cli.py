@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("specstop.pair.info_cli", "print a pair's models, tokenizer, parameter counts and cache location"),
     "generate": ("specstop.data_gen.cli", "label every draft position of a prompt set into a dataset"),
     "train": ("specstop.train.cli", "train a stopping predictor (LightningCLI; --config configs/train/*.yaml)"),
-    "sweep": ("specstop.train.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)"),
+    "sweep": ("specstop.pipeline.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)"),
     "calibrate-cost": ("specstop.measure.calibrate_cli", "measure draft/target step costs on this hardware"),
     "tune": ("specstop.eval.tune_cli", "tune stopping thresholds for latency on a validation split"),
     "eval": ("specstop.eval.eval_cli", "replay every policy on a test split and write the report"),

@@ -68,3 +68,19 @@ def synth_dir(tmp_path_factory):
         with_rollouts=True,
         seed=1,
     )
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny random draft/target pair in memory (one per test module; a module may define its own)."""
+    from specstop.testing import tiny_pair
+
+    return tiny_pair()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, pair):
+    """Random-init disco_ffn and specdecpp_resnet export folders for :func:`pair` (``{name: folder}``)."""
+    from _export_fixtures import random_exports
+
+    return random_exports(tmp_path_factory.mktemp("exports"), pair)

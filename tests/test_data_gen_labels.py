@@ -20,11 +20,6 @@ from specstop.testing import tiny_pair
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
 def batch(pair):
     """4 prompts of different lengths with their batched greedy responses (max 24 tokens)."""
     render = make_render(pair.tokenizer)

@@ -18,14 +18,8 @@ from specstop.data_gen.readback import load_split_tensors
 from specstop.data_gen.responses import prepare_prompts
 from specstop.data_gen.runner import generate_dataset, plan_shards, write_manifest
 from specstop.data_gen.schema import TABLES
-from specstop.testing import tiny_pair
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
 
 
 def _cfg(**over) -> DataGenConfig:

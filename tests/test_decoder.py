@@ -8,20 +8,9 @@ from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa
 
 from specstop.decode.chain import SpeculativeDecoder, eos_token_ids
 from specstop.export.runtime import StoppingPolicy
-from specstop.testing import tiny_pair
 
 MAX_NEW = 24
 POLICIES = ["static:1", "static:3", "static:5", "heuristic", "confidence:0.4", "confidence:0.02", "disco", "sdpp"]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, pair):
-    return random_exports(tmp_path_factory.mktemp("exports"), pair)
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,6 @@ from specstop.models import build_predictor
 from specstop.models.checkpoint import load_predictor
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures
 from specstop.probs import DecodingConfig, logits_to_probs
-from specstop.testing import tiny_pair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, pair):
-    return random_exports(tmp_path_factory.mktemp("exports"), pair)
 
 
 def test_runtime_imports_no_lightning_or_datasets():

@@ -33,11 +33,6 @@ from specstop.testing import tiny_pair
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
 def _cfg() -> DataGenConfig:
     cfg = DataGenConfig(prompts_per_shard=2)
     cfg.generation.max_new_tokens = 8

@@ -20,16 +20,6 @@ from specstop.policy import PolicySpec
 from specstop.testing import save_tiny_pair, tiny_pair
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
-def exports(pair, tmp_path_factory):
-    return random_exports(tmp_path_factory.mktemp("exports"), pair)
-
-
 def _info(*argv: str) -> list[str]:
     return ["info", *argv, "--dtype", "float32", "--device", "cpu"]
 

@@ -8,17 +8,6 @@ from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa
 
 from specstop.decode.hf_assist import assisted_generate, use_policy
 from specstop.export.runtime import StoppingPolicy
-from specstop.testing import tiny_pair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, pair):
-    return random_exports(tmp_path_factory.mktemp("exports"), pair)
 
 
 @pytest.mark.parametrize("name", ["static:3", "heuristic", "confidence:0.4", "disco", "sdpp"])

@@ -16,17 +16,6 @@ from specstop.data_gen import storage
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.runner import generate_dataset
 from specstop.export.runtime import StoppingPolicy
-from specstop.testing import tiny_pair
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_pair()
-
-
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory, pair):
-    return random_exports(tmp_path_factory.mktemp("exports"), pair)
 
 
 def test_generated_dataset_opens_with_load_dataset(pair, tmp_path):

@@ -155,3 +155,41 @@ def test_no_import_circle_but_the_model_registry():
     """Imports flow one way; the predictor families register themselves with specstop.models."""
     cycles = [c for c in _cycles(_import_graph()) if not all(m.startswith("specstop.models") for m in c)]
     assert not cycles, f"import circles: {[sorted(c) for c in cycles]}"
+
+
+#: The house, bottom to top: a module imports only from its own layer or the ones before it.
+LAYERS = ["errors", "names", "paths", "log", "extras", "memory", "outputs", "config_io", "jsonio", "digest",
+          "config_cli", "cli_flags", "probs", "policy", "tree_policy", "distributed", "prompts", "pair", "data_gen",
+          "models", "train", "eval", "export", "decode", "measure", "pipeline", "testing", "cli"]
+#: Deliberate upward imports: the package version, the dispatcher that runs (and relaunches) a
+#: command, and the import path older exports' custom_generate/generate.py calls.
+UPWARD_OK = {"specstop", "specstop.cli", ("specstop.export.hf_assist", "specstop.decode.hf_assist")}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "specstop"
+
+
+def test_imports_flow_one_way():
+    """pair -> data_gen -> train -> eval -> export -> decode -> measure -> pipeline (docs/design.md)."""
+    upward = []
+    for path in sorted((REPO / "specstop").rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("specstop")):
+                continue
+            if node.module in UPWARD_OK or (name, node.module) in UPWARD_OK or _layer(name) == "specstop":
+                continue
+            assert _layer(node.module) in LAYERS and _layer(name) in LAYERS, f"{name} -> {node.module}: add its layer"
+            if LAYERS.index(_layer(node.module)) > LAYERS.index(_layer(name)):
+                upward.append(f"{name}:{node.lineno} -> {node.module}")
+    assert not upward, f"imports against the flow: {upward}"
+
+
+def test_the_import_path_of_older_exports_still_resolves():
+    """Exports written before the decoders moved call specstop.export.hf_assist.generate_with_policy."""
+    from specstop.decode.hf_assist import generate_with_policy
+    from specstop.export.hf_assist import generate_with_policy as old_path
+
+    assert old_path is generate_with_policy

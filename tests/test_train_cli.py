@@ -113,7 +113,7 @@ def test_specstop_train_end_to_end(synth_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_sweep_tiny_grid(synth_dir, tmp_path, monkeypatch):
-    from specstop.train import sweep
+    from specstop.pipeline import sweep
 
     monkeypatch.chdir(tmp_path)
     cfg = next(p for p in CONFIGS if p.stem == "specdecpp_resnet")

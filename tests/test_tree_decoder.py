@@ -16,12 +16,12 @@ from specstop.decode.chain import SpeculativeDecoder
 from specstop.decode.drafting import grow_tree
 from specstop.decode.token_tree import TokenTree, tree_attention_mask
 from specstop.decode.tree_cache import TreeLM
-from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.probs import DecodingConfig, logits_to_probs
 from specstop.testing import tiny_causal_lm
+from specstop.tree_policy import DynamicTreeShape, StaticTreeShape
 
 # The chain decoder's fixtures and constants: the same tiny pairs, prompts and target references.
 pair, prompts, references, MAX_NEW = chain_tests.pair, chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW

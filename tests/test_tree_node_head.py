@@ -16,13 +16,13 @@ from _export_fixtures import single_thread  # noqa: F401
 from specstop.decode import TreeDecoder, parse_tree_policy
 from specstop.decode.drafting import grow_tree
 from specstop.decode.node_head import NodeHeadScorer, load_node_head
-from specstop.decode.tree_shape import DynamicTreeShape
 from specstop.errors import UserError
 from specstop.models import build_predictor
 from specstop.models.checkpoint import save_predictor_checkpoint
 from specstop.models.tree_node import NODE_LABEL
 from specstop.testing import write_synthetic_dataset
 from specstop.train.tree_nodes import TreeNodeDataModule, node_paths, read_node_columns
+from specstop.tree_policy import DynamicTreeShape
 
 # The tree decoder's fixtures: the same tiny pairs, prompts and target references.
 pair, prompts, references, small_pair = tree_tests.pair, tree_tests.prompts, tree_tests.references, tree_tests.small_pair

@@ -5,7 +5,8 @@ EOS ids, the phase timer, the cached-model wrapper). Hugging Face ``generate`` r
 through :mod:`hf_assist` (our candidate generator) or :mod:`hf_settings` (transformers' own
 assisted generation with the settings ``specstop export --for hf`` writes). ``cli`` is the command.
 
-Multi-candidate (token tree) decoding, imports flowing one way: ``token_tree`` <- ``tree_shape`` <-
+Multi-candidate (token tree) decoding, imports flowing one way: ``token_tree`` (with the shapes of
+:mod:`specstop.tree_policy`) <-
 ``drafting`` / ``verify`` / ``tree_cache`` <- ``tree_decoder``; ``node_head`` (the learned node
 scorer, from ``specstop.models.tree_node``) is handed to ``tree_decoder`` by its caller.
 
@@ -20,7 +21,7 @@ from specstop.decode.pearl import PearlDecoder
 from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy
 from specstop.decode.pearl_workers import PearlWorkers, WorkerError
 from specstop.decode.tree_decoder import TreeDecoder
-from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, parse_tree_policy
+from specstop.tree_policy import DynamicTreeShape, StaticTreeShape, parse_tree_policy
 
 __all__ = [
     "BatchDecodeResult",

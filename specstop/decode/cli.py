@@ -113,7 +113,7 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         shape = parse_tree_policy(exported[0])
     node_head = _node_head(args, shape)
     if getattr(args, "target_init", None) is not None:
-        from specstop.decode.tree_shape import StaticTreeShape
+        from specstop.tree_policy import StaticTreeShape
 
         if not isinstance(shape, StaticTreeShape):
             raise UserError(f"--target-init grows a static k-config below the target's tokens; use --policy "
@@ -194,7 +194,7 @@ def _node_head(args: DecodeSettings, shape):
     """The ``--node-head`` scorer (None without the flag); refused in one line for other policies."""
     if getattr(args, "node_head", None) is None:
         return None
-    from specstop.decode.tree_shape import DynamicTreeShape
+    from specstop.tree_policy import DynamicTreeShape
 
     if not isinstance(shape, DynamicTreeShape):
         raise UserError(f"--node-head steers dynamic trees; use --policy tree:N (got {args.policy!r}) or drop --node-head")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from specstop.decode.token_tree import TokenTree
-from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, TreeShape
+from specstop.tree_policy import DynamicTreeShape, StaticTreeShape, TreeShape
 
 __all__ = ["NodeScorer", "candidate_order", "grow_below", "grow_tree"]
 

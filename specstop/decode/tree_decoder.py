@@ -30,10 +30,10 @@ from specstop.decode.chain import DecodeResult, _Timer, eos_token_ids
 from specstop.decode.drafting import candidate_order, grow_below, grow_tree
 from specstop.decode.token_tree import TokenTree
 from specstop.decode.tree_cache import TreeLM
-from specstop.decode.tree_shape import DynamicTreeShape, StaticTreeShape, TreeShape
 from specstop.decode.verify import greedy_walk, sampling_walk
 from specstop.errors import UserError
 from specstop.probs import DecodingConfig, logits_to_probs
+from specstop.tree_policy import DynamicTreeShape, StaticTreeShape, TreeShape
 
 __all__ = ["TreeDecoder"]
 
@@ -48,8 +48,8 @@ class TreeDecoder:
 
     Args:
         pair: the draft/target :class:`~specstop.pair.ModelPair` (attention ``eager`` or ``sdpa``).
-        shape: a :class:`~specstop.decode.tree_shape.StaticTreeShape` or ``DynamicTreeShape``
-            (:func:`~specstop.decode.tree_shape.parse_tree_policy` builds one from ``mcsd:``/``tree:``).
+        shape: a :class:`~specstop.tree_policy.StaticTreeShape` or ``DynamicTreeShape``
+            (:func:`~specstop.tree_policy.parse_tree_policy` builds one from ``mcsd:``/``tree:``).
         decoding: the decoding transform for both models (temperature 0 = greedy).
         node_head: a :class:`~specstop.decode.node_head.NodeHeadScorer` that decides which nodes a
             dynamic tree drafts (None: the joint draft probability); verification is unchanged.

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specstop.decode.tree_shape import MAX_TREE_NODES, DynamicTreeShape, StaticTreeShape, TreeShape
 from specstop.errors import UserError
+from specstop.tree_policy import MAX_TREE_NODES, DynamicTreeShape, StaticTreeShape, TreeShape
 
 log = logging.getLogger("specstop")
 

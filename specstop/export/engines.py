@@ -71,7 +71,7 @@ def _prediction(entry: dict) -> dict:
 
 #: How an hf.json rule-based option is applied (transformers reads these from the draft's generation_config).
 HF_USAGE = (
-    "from specstop.decode.hf_settings import generate_with_settings, load_hf_settings; "
+    "from specstop.export.hf_format import generate_with_settings, load_hf_settings; "
     "out = generate_with_settings(target, draft, load_hf_settings('hf.json', OPTION), **inputs, max_new_tokens=N)"
 )
 HF_NOTE = (
@@ -83,7 +83,7 @@ HF_NOTE = (
 
 
 def _hf(entry: dict) -> dict:
-    from specstop.decode.hf_settings import hf_settings_from_spec
+    from specstop.export.hf_format import hf_settings_from_spec
 
     # Set on the draft model, not passed to generate(): see HF_NOTE.
     return {"assistant_generation_config": hf_settings_from_spec(entry["spec"]), "usage": HF_USAGE}
@@ -711,7 +711,7 @@ def validate_engine_file(engine: str, data: Any) -> None:
             raise _bad(engine, f"{where} lacks its 'predicted' metrics")
         if engine == "hf":
             if "assistant_generation_config" in opt:
-                from specstop.decode.hf_settings import check_hf_settings
+                from specstop.export.hf_format import check_hf_settings
 
                 try:
                     check_hf_settings(opt["assistant_generation_config"])

@@ -181,7 +181,7 @@ def export_policy(
         ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
     """
     if node_head is not None:
-        from specstop.decode.tree_shape import DynamicTreeShape, parse_tree_policy
+        from specstop.tree_policy import DynamicTreeShape, parse_tree_policy
 
         if not isinstance(parse_tree_policy(tree or ""), DynamicTreeShape):
             raise ExportError(f"a node head steers dynamic trees (tree:N); {tree or spec.label} is not one - drop --node-head")
@@ -389,7 +389,7 @@ def export_from_files(
 def _export_tree(out, t: dict, name: str, *, tuned, node_head, dataset, allow_missing_pair: bool,
                  overwrite: bool) -> dict:
     """Export the tuned tree policy ``name`` (see :func:`export_from_files`)."""
-    from specstop.decode.tree_shape import parse_tree_policy
+    from specstop.tree_policy import parse_tree_policy
 
     entry = t["tree_policies"][name]
     text = str((entry.get("spec") or {}).get("policy") or "")

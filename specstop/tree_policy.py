@@ -1,5 +1,8 @@
 """Tree shapes: how many candidates a round drafts, and where (the ``mcsd:`` and ``tree:`` policies).
 
+Like :mod:`specstop.policy` for chains, shared by replay and tuning (:mod:`specstop.eval.tree_tune`),
+exports and the tree decoder (:mod:`specstop.decode`); plain Python.
+
 - :class:`StaticTreeShape` - MCSD's k-config: ``mcsd:4,2,2,1`` gives the root 4 children, each of
   them 2, each of those 2, and each of those 1 (4 + 8 + 16 + 16 = 44 nodes, depth 4). Improved
   MCSD's fork of width W and depth D is ``mcsd:W,1,1,...`` (D numbers).
