@@ -36,7 +36,7 @@ from specstop.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TypedCommand", "comma_list", "leaf_settings", "read_settings_file", "setting"]
+__all__ = ["TypedCommand", "comma_list", "leaf_settings", "leaf_values", "read_settings_file", "setting"]
 
 
 def setting(
@@ -87,9 +87,9 @@ class _Leaf:
 
     path: str
     hint: Any
-    flags: tuple[str, ...]
-    deprecated: tuple[str, ...]
-    parse: Callable[[str], Any] | None
+    flags: tuple[str, ...] = ()
+    deprecated: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
     metavar: str | None = None
     negatable: bool = True
     repeatable: bool = False
@@ -114,10 +114,7 @@ def leaf_settings(cls: type, prefix: str = "") -> list[_Leaf]:
         if dataclasses.is_dataclass(hint):
             out.extend(leaf_settings(hint, f"{prefix}{f.name}."))
             continue
-        meta = f.metadata.get("cli", {})
-        out.append(_Leaf(f"{prefix}{f.name}", hint, meta.get("flags", ()), meta.get("deprecated", ()),
-                         meta.get("parse"), meta.get("metavar"), meta.get("negatable", True), meta.get("repeatable", False),
-                         meta.get("required", False), meta.get("off_flags", ())))
+        out.append(_Leaf(f"{prefix}{f.name}", hint, **f.metadata.get("cli", {})))
     return out
 
 
@@ -140,13 +137,13 @@ def _without_shared_spellings(leaves: list[_Leaf]) -> list[_Leaf]:
                                 deprecated=keep(leaf.deprecated)) for leaf in leaves]
 
 
-def _leaf_values(obj: Any, prefix: str = "") -> dict[str, Any]:
+def leaf_values(obj: Any, prefix: str = "") -> dict[str, Any]:
     """``{dotted path: value}`` of every leaf setting of a dataclass instance."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out.update(_leaf_values(value, f"{prefix}{f.name}."))
+            out.update(leaf_values(value, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = value
     return out
@@ -343,7 +340,7 @@ class TypedCommand:
         argv = list(argv)
         path = self._config_path(argv) if self.config_flag else None
         if path is not None:
-            self.parser.set_defaults(_leaf_values(self.load_file(path)))
+            self.parser.set_defaults(leaf_values(self.load_file(path)))
         try:
             ns = self.parser.parse_args(self._rewrite(argv))
             built = self.parser.instantiate(ns)
@@ -351,7 +348,7 @@ class TypedCommand:
             raise UserError(self._message(str(err))) from None
         top = [f.name for f in dataclasses.fields(self.root)]
         settings = self.root(**{name: built[name] for name in top})
-        values = _leaf_values(settings)
+        values = leaf_values(settings)
         missing = [leaf.flags[0] if leaf.flags else leaf.dotted_flag for leaf in self.leaves
                    if leaf.required and values[leaf.path] is None]
         if missing and not getattr(built, "help", False):

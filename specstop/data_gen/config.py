@@ -13,9 +13,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_type_hints
 
-from specstop.config_cli import comma_list, setting
+from specstop.config_cli import comma_list, leaf_settings, leaf_values, setting
 from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
 from specstop.errors import MissingInputError, UserError
 from specstop.names import check_plain_name
@@ -130,8 +129,9 @@ class DataGenConfig(PairSettings):
             UserError: naming the key, the value and the allowed range.
         """
         g, lab, pc = self.generation, self.labels, self.prompts
-        for key, value, hint in _typed_settings(self):
-            check_type(value, hint, key)  # flags and programmatic edits bypass the YAML reader
+        values = leaf_values(self)
+        for leaf in leaf_settings(type(self)):
+            check_type(values[leaf.path], leaf.hint, leaf.path)  # programmatic edits bypass the YAML reader
         check_range("generation.temperature", g.temperature, low=0.0)
         check_range("generation.top_p", g.top_p, low=0.0, high=1.0, low_open=True)
         for key, value, low in (
@@ -176,17 +176,6 @@ class DataGenConfig(PairSettings):
 
         keep["labels_version"] = LABELS_VERSION
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _typed_settings(obj, where: str = ""):
-    """``(dotted key, value, type hint)`` of every leaf setting of a config dataclass."""
-    hints = get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _typed_settings(value, f"{where}{f.name}.")
-        else:
-            yield f"{where}{f.name}", value, hints[f.name]
 
 
 def config_from_dict(data: dict, source: str | None = None) -> DataGenConfig:

@@ -29,7 +29,8 @@ import time
 import numpy as np
 
 from specstop.errors import UserError
-from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward
+from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS
+from specstop.pair.cached_forward import CachedForward
 
 log = logging.getLogger("specstop")
 

@@ -45,7 +45,8 @@ from specstop.eval.cost_check import (
     table_problems,
     table_warnings,
 )
-from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, CachedForward, sync
+from specstop.measure.step_timing import DRAFT_STEPS_PER_ROUND, K_GRID, MIN_ROUNDS, tree_inputs
+from specstop.pair.cached_forward import CachedForward, sync
 
 log = logging.getLogger("specstop")
 
@@ -194,14 +195,14 @@ def time_tree(pair, context: list[int], *, context_tokens: int, budget_s: float 
     jobs = [("target", n, target, block[: n + 1], _tree_parents(n)) for n in n_grid]
     jobs += [("draft", w, draft, block[:w], [-1] * w) for w in w_grid]
     for _, _, model, tokens, parents in jobs:  # warm-up: kernel choice per shape
-        model.time_feed(tokens, parents)
+        model.time_feed(tokens, tree_inputs(model, parents))
     samples: dict = {("target", n): [] for n in n_grid} | {("draft", w): [] for w in w_grid}
     rng = random.Random(seed)
     t_start, rounds = time.perf_counter(), 0
     while True:
         rng.shuffle(jobs)
         for kind, size, model, tokens, parents in jobs:
-            samples[(kind, size)].append(model.time_feed(tokens, parents)[0])
+            samples[(kind, size)].append(model.time_feed(tokens, tree_inputs(model, parents))[0])
         rounds += 1
         if rounds >= MIN_ROUNDS and time.perf_counter() - t_start >= budget_s:
             break

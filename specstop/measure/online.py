@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from specstop.eval.replay import add_hists
-from specstop.measure.step_timing import sync
+from specstop.pair.cached_forward import sync
 
 FLAG_TOLERANCE = 0.10
 CI = 0.90

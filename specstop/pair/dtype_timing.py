@@ -37,35 +37,13 @@ REPS = 3
 VARIANTS = ("float32", "bfloat16+linear", "bfloat16+mv")
 
 
-class _Stepper:
-    """A model with a KV cache filled to a fixed context; times one forward and rolls it back."""
+def _cached_forward(model, rows: int, context: int, seed: int):
+    """``(CachedForward over ``context`` random tokens for ``rows`` rows, the random tokens to feed)``."""
+    from specstop.pair.cached_forward import CachedForward
 
-    def __init__(self, model, rows: int, context: int, seed: int) -> None:
-        from transformers import DynamicCache
-
-        from specstop.pair.compat import cache_kwarg
-
-        self.model = model
-        self.kw = lambda: cache_kwarg(model, self.cache)
-        vocab = model.get_input_embeddings().weight.shape[0]
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, vocab, (rows, context + VERIFY_TOKENS), generator=g)
-        self.context = context
-        self.cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=self.ids[:, :context], **self.kw(), use_cache=True, logits_to_keep=1)
-
-    @torch.no_grad()
-    def time(self, n_tokens: int) -> float:
-        ids = self.ids[:, self.context : self.context + n_tokens]
-        pos = torch.arange(self.context, self.context + n_tokens)
-        t0 = time.perf_counter()
-        out = self.model(input_ids=ids, **self.kw(), use_cache=True, cache_position=pos,
-                         position_ids=pos.unsqueeze(0).expand(ids.shape[0], -1), logits_to_keep=n_tokens)
-        out.logits[:, -1].argmax(-1).tolist()  # what a decoder does with them: forces the work
-        dt = time.perf_counter() - t0
-        self.cache.crop(-n_tokens)  # transformers 5: a negative count removes tokens
-        return dt
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (context + VERIFY_TOKENS,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return CachedForward(model, ids[:context], batch=rows), ids[context:]
 
 
 def _time_dtype(model, routes: tuple[bool, ...], *, verify: bool, reps: int, seed: int) -> list[dict[str, list[float]]]:
@@ -74,11 +52,11 @@ def _time_dtype(model, routes: tuple[bool, ...], *, verify: bool, reps: int, see
     the filled caches and alternate rep by rep, so drift hits both."""
     from specstop.pair.fast_paths import route_single_rows
 
-    single = _Stepper(model, 1, CONTEXT_TOKENS, seed)
-    batch = _Stepper(model, BATCH_ROWS, BATCH_CONTEXT, seed + 1)
-    kinds = {"step": lambda: single.time(1), "batch": lambda: batch.time(1)}
+    single, feed = _cached_forward(model, 1, CONTEXT_TOKENS, seed)
+    batch, batch_feed = _cached_forward(model, BATCH_ROWS, BATCH_CONTEXT, seed + 1)
+    kinds = {"step": lambda: single.time_feed(feed[:1])[0], "batch": lambda: batch.time_feed(batch_feed[:1])[0]}
     if verify:
-        kinds["verify"] = lambda: single.time(VERIFY_TOKENS)
+        kinds["verify"] = lambda: single.time_feed(feed[:VERIFY_TOKENS])[0]
     out: list[dict[str, list[float]]] = [{k: [] for k in kinds} for _ in routes]
     for rep in range(reps + 1):  # rep 0 warms up: allocator, kernel selection per shape
         for i, use_mv in enumerate(routes):
