@@ -15,7 +15,7 @@ from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 
 # ``references`` (the target's own greedy output per prompt) resolves ``prompts`` below: these four.
-pair, references, MAX_NEW = chain_tests.pair, chain_tests.references, chain_tests.MAX_NEW
+references, MAX_NEW = chain_tests.references, chain_tests.MAX_NEW  # `pair`: tests/conftest.py
 small_pair, DECODING, PROMPT, VOCAB = (
     sampling_tests.small_pair, sampling_tests.DECODING, sampling_tests.PROMPT, sampling_tests.VOCAB
 )

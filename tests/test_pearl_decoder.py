@@ -32,8 +32,8 @@ from specstop.policy import PolicySpec
 from specstop.probs import logits_to_probs
 
 # The chain decoder's fixtures: the same tiny pairs, prompts and target references.
-pair, prompts, references, MAX_NEW = chain_tests.pair, chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW
-exports = chain_tests.exports  # random-init disco_ffn (dist) and specdecpp_resnet (hidden, cumprod) exports
+# `pair` and `exports` (random-init disco_ffn and specdecpp_resnet): tests/conftest.py
+prompts, references, MAX_NEW = chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW
 small_pair, DECODING, PROMPT, VOCAB = (
     sampling_tests.small_pair, sampling_tests.DECODING, sampling_tests.PROMPT, sampling_tests.VOCAB
 )

@@ -24,7 +24,7 @@ from specstop.testing import tiny_causal_lm
 from specstop.tree_policy import DynamicTreeShape, StaticTreeShape
 
 # The chain decoder's fixtures and constants: the same tiny pairs, prompts and target references.
-pair, prompts, references, MAX_NEW = chain_tests.pair, chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW
+prompts, references, MAX_NEW = chain_tests.prompts, chain_tests.references, chain_tests.MAX_NEW  # `pair`: tests/conftest.py
 small_pair, DECODING, PROMPT, VOCAB = (
     sampling_tests.small_pair, sampling_tests.DECODING, sampling_tests.PROMPT, sampling_tests.VOCAB
 )

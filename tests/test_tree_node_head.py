@@ -25,7 +25,7 @@ from specstop.train.tree_nodes import TreeNodeDataModule, node_paths, read_node_
 from specstop.tree_policy import DynamicTreeShape
 
 # The tree decoder's fixtures: the same tiny pairs, prompts and target references.
-pair, prompts, references, small_pair = tree_tests.pair, tree_tests.prompts, tree_tests.references, tree_tests.small_pair
+prompts, references, small_pair = tree_tests.prompts, tree_tests.references, tree_tests.small_pair  # `pair`: tests/conftest.py
 K, DEPTH = 4, 3
 
 
