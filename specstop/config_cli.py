@@ -215,6 +215,8 @@ class TypedCommand:
         if clash:
             raise ValueError(f"{self.prog}: {clash[0]} is already a setting's flag")
         self.parser.add_argument(*args, **kwargs)
+        if args and not str(args[0]).startswith("-"):  # a positional: the usage line names it
+            self.parser.usage += f" {str(args[0]).upper()}"
 
     # -- building ------------------------------------------------------------------------------------
 

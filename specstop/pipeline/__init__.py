@@ -3,7 +3,7 @@
 Every stage runs through the same public CLI a user would type (``specstop generate``, ``specstop
 train`` ...), so the pipeline cannot drift from the individual commands, and every stage's exact
 command line is recorded in the run folder. Stages are skipped when their configuration and the
-stages they read are unchanged (see :mod:`specstop.pipeline_stages`).
+stages they read are unchanged (see :mod:`specstop.pipeline.stages`).
 
 Run folder::
 
@@ -18,7 +18,8 @@ Run folder::
     RUN/report.md, RUN/report.json
 
 Modules: ``config`` (the YAML schema), ``stages`` (skip/rerun bookkeeping), ``run`` (the stage
-order), ``online_check`` (the closing real-decoding check), ``report`` (report.md/json), ``cli``.
+order), ``online_check`` (the closing real-decoding check), ``report`` (report.md/json), ``cli``;
+``sweep`` is `specstop sweep` (a grid of trainings, tabulated).
 """
 
 from specstop.pipeline.config import FamilySpec, PipelineConfig
