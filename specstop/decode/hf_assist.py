@@ -208,11 +208,23 @@ def use_policy(target, policy: StoppingPolicy, vocab_size: int | None = None, *,
         info["generator"] = gen
         return gen
 
+    with candidate_generator_replaced(target, lambda _original: _get_candidate_generator):
+        yield info
+
+
+@contextmanager
+def candidate_generator_replaced(target, make) -> Iterator[None]:
+    """Within the block, ``target._get_candidate_generator`` is ``make(original)`` bound to ``target``.
+
+    ``original`` is the factory in effect before (an earlier replacement on the instance, or
+    transformers' own method), so replacements nest; on exit the instance is as it was.
+    """
     had = "_get_candidate_generator" in vars(target)
     old = vars(target).get("_get_candidate_generator")
-    target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
+    original = target._get_candidate_generator  # bound: the instance's replacement or the class method
+    target._get_candidate_generator = types.MethodType(make(original), target)
     try:
-        yield info
+        yield
     finally:
         if had:
             target._get_candidate_generator = old

@@ -33,12 +33,12 @@ Usage::
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
+from specstop.decode.hf_assist import candidate_generator_replaced
 from specstop.errors import UserError
 from specstop.export.hf_format import (
     HF_SETTING_KEYS,
@@ -100,22 +100,6 @@ class TunedAssistedCandidateGenerator(AssistedCandidateGenerator):
     """
 
 
-def _replace_generator(target, make):
-    """Swap ``target._get_candidate_generator`` for ``make(original)`` until the returned callable is called."""
-    had = "_get_candidate_generator" in vars(target)
-    old = vars(target).get("_get_candidate_generator")
-    original = target._get_candidate_generator  # bound: the instance's replacement or the class method
-    target._get_candidate_generator = types.MethodType(make(original), target)
-
-    def restore() -> None:
-        if had:
-            target._get_candidate_generator = old
-        else:
-            del target._get_candidate_generator
-
-    return restore
-
-
 @contextmanager
 def tuned_assisted_generation(target) -> Iterator[dict]:
     """Within the block, plain assisted generation on ``target`` keeps the draft's threshold fixed.
@@ -142,11 +126,8 @@ def tuned_assisted_generation(target) -> Iterator[dict]:
 
         return _get_candidate_generator
 
-    restore = _replace_generator(target, make)
-    try:
+    with candidate_generator_replaced(target, make):
         yield info
-    finally:
-        restore()
 
 
 def generate_with_settings(target, draft, settings: dict, *args, **generate_kwargs):
@@ -196,11 +177,8 @@ def observe_assisted_generation(target) -> Iterator[dict]:
 
         return _get_candidate_generator
 
-    restore = _replace_generator(target, make)
-    try:
+    with candidate_generator_replaced(target, make):
         yield info
-    finally:
-        restore()
 
 
 def _retuning_active(gen) -> bool:

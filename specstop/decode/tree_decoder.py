@@ -121,12 +121,7 @@ class TreeDecoder:
         if self.target_init is not None:
             return self._generate_target_init(prompt_ids, max_new_tokens, seed, max_draft)
         greedy = self.decoding.greedy
-        draft, target = TreeLM(self.pair.draft), TreeLM(self.pair.target)
-        timer = _Timer(target.device)
-        gen = None
-        if not greedy:
-            gen = torch.Generator(device=draft.device)
-            gen.manual_seed(0 if seed is None else int(seed))
+        draft, target, timer, gen = self._start(seed)
 
         seq = list(prompt_ids)
         out: list[int] = []
@@ -218,6 +213,15 @@ class TreeDecoder:
             "N_target": n_target, "N_draft": n_draft, "N_discarded": n_discarded, "draft_forwards": draft_forwards,
             "stop_reason": stop_reason})
 
+    def _start(self, seed: int | None):
+        """``(draft, target, phase timer, sampling generator or None)`` for one run."""
+        draft, target = TreeLM(self.pair.draft), TreeLM(self.pair.target)
+        gen = None
+        if not self.decoding.greedy:
+            gen = torch.Generator(device=draft.device)
+            gen.manual_seed(0 if seed is None else int(seed))
+        return draft, target, _Timer(target.device), gen
+
     def _result(self, out: list[int], timer, t_start: float, round_seconds: list[float], rounds_k: list[int],
                 rounds_n: list[int], widths: list[int], tallies: dict[str, Any]) -> DecodeResult:
         """The :class:`DecodeResult` of a finished run: counters in the chain decoder's names (``tallies``
@@ -259,12 +263,7 @@ class TreeDecoder:
         """
         greedy = self.decoding.greedy
         n_init = self.target_init
-        draft, target = TreeLM(self.pair.draft), TreeLM(self.pair.target)
-        timer = _Timer(target.device)
-        gen = None
-        if not greedy:
-            gen = torch.Generator(device=draft.device)
-            gen.manual_seed(0 if seed is None else int(seed))
+        draft, target, timer, gen = self._start(seed)
         seq = list(prompt_ids)
         out: list[int] = []
         rounds_k: list[int] = []
