@@ -29,6 +29,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,68 @@ def _read_lock(path: Path) -> dict | None:
         return None
 
 
+def _create_with(path: Path, info: dict) -> bool:
+    """Create the lock file ``path`` holding ``info``, or return False when it exists.
+
+    The record is written to a private name first and hard-linked into place, so the lock file
+    never exists empty: a second run reading it half-written would take it for a stale lock and
+    take it over, and both runs would write the folder. (Where the file system has no hard links
+    the file is created exclusively and filled at once, as before.)
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(json.dumps(info))
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here (some network or FUSE file systems)
+            pass
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_settled_lock(path: Path, wait: float = 1.0) -> dict | None:
+    """The lock's record; an unreadable one is read again for up to ``wait`` seconds (a writer
+    without hard links fills it a moment after creating it) before it counts as garbage."""
+    deadline = time.monotonic() + wait
+    while True:
+        info = _read_lock(path)
+        if info is not None or not path.exists() or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.05)
+
+
+def _remove_stale(path: Path, seen: dict | None) -> None:
+    """Remove the stale lock ``path`` whose record was ``seen`` - but not a live lock another run
+    created after we looked (it is moved aside atomically, checked, and put back if it is not the
+    stale one)."""
+    aside = path.with_name(f".{path.name}.stale-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # someone else removed it
+    try:
+        if _read_lock(aside) != seen:
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links here
+                if not path.exists():
+                    os.rename(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
 def _conflicts(mine: str, other: str) -> bool:
     """Do two roles write the same shards? Workers of one job (same n, other i) do not."""
     if mine == EXCLUSIVE or other == EXCLUSIVE or mine == other:
@@ -104,6 +167,7 @@ class FolderLock:
         self.command = command
         self.path = self.folder / LOCK_DIR / f"{role}.lock"
         self.held = False
+        self._mine: dict | None = None
 
     def acquire(self) -> FolderLock:
         """Take the lock or raise :class:`FolderBusyError` naming the live holder."""
@@ -112,31 +176,27 @@ class FolderLock:
             "pid": os.getpid(), "host": socket.gethostname(), "process_start": _process_start(os.getpid()),
             "created": time.time(), "command": self.command, "role": self.role,
         }
-        for _attempt in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                info = _read_lock(self.path)
-                if info is not None and info.get("pid") == os.getpid() and info.get("host") == me["host"]:
-                    return self  # re-entrant: this process already holds it (the outer claim releases it)
-                if info is not None and holder_alive(info):
-                    raise FolderBusyError(self._busy_message(info, self.path)) from None
-                log.info("removing a stale lock of a process that is gone: %s", _describe(info, self.path))
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            break
-        else:  # pragma: no cover - another process took the stale lock between our two attempts
+        for _attempt in range(3):
+            if _create_with(self.path, me):
+                self.held = True
+                self._mine = me
+                break
+            info = _read_settled_lock(self.path)
+            if info is not None and info.get("pid") == os.getpid() and info.get("host") == me["host"]:
+                return self  # re-entrant: this process already holds it (the outer claim releases it)
+            if info is not None and holder_alive(info):
+                raise FolderBusyError(self._busy_message(info, self.path))
+            log.info("removing a stale lock of a process that is gone: %s", _describe(info, self.path))
+            _remove_stale(self.path, info)
+        else:  # pragma: no cover - other processes kept taking the stale lock between our attempts
             raise FolderBusyError(self._busy_message(_read_lock(self.path), self.path))
         # Cooperating roles hold other lock files: refuse when a live one writes the same shards.
         for other in sorted(self.path.parent.glob("*.lock")):
             if other == self.path or not _conflicts(self.role, other.stem):
                 continue
-            info = _read_lock(other)
+            info = _read_settled_lock(other)
             if info is None or not holder_alive(info):
-                other.unlink(missing_ok=True)
+                _remove_stale(other, info)
                 continue
             self.release()
             raise FolderBusyError(self._busy_message(info, other))
@@ -150,7 +210,9 @@ class FolderLock:
 
     def release(self) -> None:
         if self.held:
-            self.path.unlink(missing_ok=True)
+            # Only our own lock: one another run took over (it judged ours stale) is theirs.
+            if _read_lock(self.path) == self._mine:
+                self.path.unlink(missing_ok=True)
             self.held = False
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()  # only when no other lock is left
@@ -284,14 +346,38 @@ def check_writable(path: str | Path, flag: str, *, kind: str = "folder") -> Path
     return p
 
 
+def open_new_file(folder: str | Path, prefix: str, mode: str = "w"):
+    """Create a new, uniquely named file in ``folder`` and open it: ``(file object, path)``.
+
+    The file gets the permissions a plain ``open()`` gives (``0666 & ~umask``), unlike
+    ``tempfile.mkstemp``'s private 0600, which a rename would carry over to the finished file
+    (manifests, tuned files, cost tables others must read).
+    """
+    folder = Path(folder)
+    for _attempt in range(100):
+        path = folder / f"{prefix}{uuid.uuid4().hex[:12]}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
+        try:
+            return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})), path
+        except BaseException:  # pragma: no cover
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+    raise FileExistsError(f"no free temporary name in {folder}")  # pragma: no cover
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a failed write (a
-    full disk) leaves the old file or nothing, never half a file."""
+    full disk) leaves the old file or nothing, never half a file. The file's mode is what a plain
+    ``open()`` would give under the current umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    f, tmp = open_new_file(path.parent, f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

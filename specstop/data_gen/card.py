@@ -19,8 +19,6 @@ rows) silently returns the previous generation's cached tables.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -126,9 +124,6 @@ def write_dataset_card(out_dir: str | Path, manifest: dict) -> Path:
         *[f"| {s} | {v.get('prompts')} | {v.get('tokens')} | {v.get('mixed')} | {v.get('rollouts')} |" for s, v in splits.items()],
         "",
     ]
-    path = out / CARD
-    fd, tmp = tempfile.mkstemp(prefix=f".{CARD}.", dir=out)
-    with os.fdopen(fd, "w") as fh:
-        fh.write("\n".join(lines))
-    os.replace(tmp, path)
-    return path
+    from specstop.outputs import atomic_write_text
+
+    return atomic_write_text(out / CARD, "\n".join(lines))

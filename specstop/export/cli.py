@@ -90,19 +90,29 @@ def _write_engines(args: ExportSettings, engines: list[str], hf_policy: str | No
 def run(args: ExportSettings) -> int:
     from pathlib import Path
 
-    from specstop.export.export import check_export_target, export_from_files
-    from specstop.outputs import check_writable
+    from specstop.export.export import check_export_target
+    from specstop.outputs import check_writable, claim_output_dir
 
-    checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
     engines = args.engines or []
     if engines and "hf" not in engines:
         check_writable(args.out, "--out")
+    else:
+        check_export_target(Path(args.out), args.overwrite)  # before any loading: refuse a foreign or unwritable --out now
+    # One writer at a time: a second export into the same folder stops in one line.
+    with claim_output_dir(args.out, command=f"specstop export --out {args.out}"):
+        return _run(args, engines)
+
+
+def _run(args: ExportSettings, engines: list[str]) -> int:
+    from specstop.export.export import export_from_files
+
+    checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
+    if engines and "hf" not in engines:
         _write_engines(args, engines, None)  # settings files only: no predictor package
         return 0
-    check_export_target(Path(args.out), args.overwrite)  # before any loading: refuse a foreign or unwritable --out now
     policy = _learned_policy(args.tuned, args.policy) if "hf" in engines else args.policy
-    # The package first: it is written elsewhere and renamed into place (replacing --out), so the
-    # engine files are added to the finished folder afterwards.
+    # The package first: it is written elsewhere and moved into --out (replacing an earlier export),
+    # so the engine files are added to the finished folder afterwards.
     config = export_from_files(
         args.out,
         tuned=args.tuned,

@@ -24,6 +24,7 @@ config.json (schema version 1)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from specstop.export.runtime import StoppingPolicy
 from specstop.jsonio import read_json
 from specstop.models import StoppingPredictor
 from specstop.models.checkpoint import load_predictor
+from specstop.outputs import LOCK_DIR, claim_output_dir
 from specstop.pair.identity import check_same_pair
 from specstop.policy import PolicySpec
 
@@ -160,9 +162,11 @@ def export_policy(
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
-    The export is written and validated in a temporary folder next to ``out`` and renamed into
-    place only when complete, so a failed export never leaves a half-written folder, and an
-    existing export is replaced only after the new one passed its check.
+    ``out`` is claimed first (:func:`~specstop.outputs.claim_output_dir`: a second export into it
+    stops in one line). The export is written and validated in a temporary folder next to ``out``
+    and moved into it only when complete, so a failed export never leaves a half-written folder,
+    an existing export is replaced only after the new one passed its check, and a file somebody
+    else put into ``out`` meanwhile is never deleted.
 
     Args:
         out: the folder to create; an existing non-empty one is replaced only with ``overwrite``.
@@ -214,16 +218,23 @@ def export_policy(
             "num_parameters": int(sum(p.numel() for p in node_head.parameters()))}}
     final = Path(out)
     check_export_target(final, overwrite)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        config = write_export_folder(tmp, config, predictor, node_head=node_head)
-        _replace_folder(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with claim_output_dir(final, command=f"specstop export --out {final}"):
+        # Again under the lock: another run may have finished an export here since the first look.
+        check_export_target(final, overwrite)
+        earlier = _entries(final)  # the earlier export --overwrite replaces (checked to be one)
+        tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            config = write_export_folder(tmp, config, predictor, node_head=node_head)
+            _install_export(tmp, final, earlier)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return config
+
+
+def _entries(folder: Path) -> set[str]:
+    """The names in ``folder`` (our lock folder aside)."""
+    return {p.name for p in folder.iterdir() if p.name != LOCK_DIR} if folder.is_dir() else set()
 
 
 def is_export_folder(folder: Path) -> bool:
@@ -238,7 +249,7 @@ def is_export_folder(folder: Path) -> bool:
         return False
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         return False
-    return all(is_export_file(p.name) for p in folder.iterdir())
+    return all(is_export_file(name) for name in _entries(folder))
 
 
 def check_export_target(final: Path, overwrite: bool) -> None:
@@ -252,7 +263,7 @@ def check_export_target(final: Path, overwrite: bool) -> None:
 
     if final.exists() and not final.is_dir():
         raise ExportError(f"--out {final} is a file; give a folder path for the export")
-    if final.is_dir() and any(final.iterdir()):
+    if final.is_dir() and _entries(final):
         if not is_export_folder(final):
             raise ExportError(
                 f"--out {final} holds files that are not a specstop export (no export config.json, or other "
@@ -266,20 +277,51 @@ def check_export_target(final: Path, overwrite: bool) -> None:
     check_writable(final.parent if final.exists() else final, "--out")
 
 
-def _replace_folder(new: Path, final: Path) -> None:
-    """Move the finished folder ``new`` to ``final``; an old ``final`` is removed only afterwards."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
+def _install_export(new: Path, final: Path, earlier: set[str]) -> None:
+    """Move the finished export ``new`` into the claimed folder ``final``, entry by entry.
+
+    ``earlier`` names the earlier export found in ``final`` when this run claimed it (what
+    ``--overwrite`` replaces): it is moved aside first and removed only once the new export is in.
+    Anything else in ``final`` - a file somebody put there while the export ran - is not ours and
+    is never deleted or overwritten: beside the export it is left alone; where it has the name of
+    an export file, the export stops in one line and changes nothing.
+
+    Raises:
+        ExportError: an entry the export writes appeared in ``final`` meanwhile.
+    """
+    ours = sorted((p.name for p in new.iterdir()), key=lambda n: (n == CONFIG_NAME, n))  # config.json last
+    present = _entries(final)
+    strangers = present - earlier
+    clash = sorted(strangers & set(ours))
+    if clash:
+        raise ExportError(
+            f"{final / clash[0]} appeared in --out while the export ran and is not part of it; nothing was replaced. "
+            "Move it away (or choose another --out) and rerun the export"
+        )
+    if strangers:
+        log.warning("%s also holds %s (not written by specstop export; left as it is)", final, ", ".join(sorted(strangers)))
+    old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+    retire = sorted(present & earlier, key=lambda n: (n != CONFIG_NAME, n))  # config.json first: no half export
+    moved: list[str] = []
+    installed: list[str] = []
     try:
-        os.replace(new, final)
+        if retire:
+            old.mkdir()
+            for name in retire:
+                os.replace(final / name, old / name)
+                moved.append(name)
+        for name in ours:
+            os.replace(new / name, final / name)
+            installed.append(name)
     except BaseException:
-        if old is not None:
-            os.replace(old, final)
+        for name in reversed(installed):  # undo: the earlier export back as it was
+            os.replace(final / name, new / name)
+        for name in moved:
+            os.replace(old / name, final / name)
+        with contextlib.suppress(OSError):
+            old.rmdir()  # only when everything is back
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_export_folder(

@@ -1,0 +1,184 @@
+"""Fault injection, outputs others share: files and folders someone else touches while specstop runs.
+
+* An export never deletes a file it did not write, even one dropped into ``--out`` while it runs;
+  a second writer into the same folder is refused in one line (the folder lock holds).
+* Files specstop writes get the mode a plain ``open()`` gives under the umask (``0666 & ~umask``),
+  not the private mode of a temporary file.
+* PEARL's shared-memory weights: refused in one line when ``/dev/shm`` is too small, and leftovers
+  of killed runs are swept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _export_fixtures import write_manifest, write_tuned
+from test_faults_inputs import one_line_error
+
+from specstop import outputs
+from specstop.cli import main
+from specstop.policy import PolicySpec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _static_tuned(pair, tmp_path: Path) -> Path:
+    ds = write_manifest(tmp_path / "data", pair)
+    return write_tuned(tmp_path / "t.json", {"s": PolicySpec(kind="static", k=3)}, ds, {}, best="s")
+
+
+def _during_export(monkeypatch, action):
+    """Run ``action(folder)`` after the export's files are written, before they are put into --out."""
+    from specstop.export import export as export_mod
+
+    real = export_mod.write_export_folder
+
+    def hooked(folder, *args, **kwargs):
+        config = real(folder, *args, **kwargs)
+        action()
+        return config
+
+    monkeypatch.setattr(export_mod, "write_export_folder", hooked)
+
+
+# ------------------------------------------------------------------------------ export: others' files
+@pytest.mark.parametrize("earlier", [False, True], ids=["new-folder", "overwrite"])
+def test_export_keeps_a_file_dropped_into_out_while_it_runs(pair, tmp_path, monkeypatch, capsys, earlier):
+    tuned = _static_tuned(pair, tmp_path)
+    out = tmp_path / "exp"
+    argv = ["export", "--tuned", str(tuned), "--out", str(out)]
+    if earlier:
+        assert main(argv) == 0
+        (out / "vllm.json").write_text("{}")  # an engine file of the earlier export: replaced with it
+        argv.append("--overwrite")
+    _during_export(monkeypatch, lambda: (out.mkdir(exist_ok=True), (out / "notes.txt").write_text("mine")))
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["policy"]["kind"] == "static"
+    assert not (out / "vllm.json").exists()
+    assert not (out / outputs.LOCK_DIR).exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".exp")] == []  # no temporary folders left
+
+
+def test_export_refuses_to_replace_a_file_of_its_name_that_appeared_meanwhile(pair, tmp_path, monkeypatch, capsys):
+    tuned = _static_tuned(pair, tmp_path)
+    out = tmp_path / "exp"
+    _during_export(monkeypatch, lambda: (out.mkdir(exist_ok=True), (out / "README.md").write_text("my readme")))
+    one_line_error(capsys, main(["export", "--tuned", str(tuned), "--out", str(out)]),
+                   "README.md appeared in --out while the export ran", "nothing was replaced")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    assert (out / "README.md").read_text() == "my readme"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".exp")] == []
+
+
+_HOLD = textwrap.dedent("""
+    import sys
+    from specstop.outputs import FolderLock
+    FolderLock(sys.argv[1], command="specstop export --out " + sys.argv[1]).acquire()
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_second_export_into_a_folder_being_written_is_refused(pair, tmp_path, capsys):
+    """Another process holds the folder (an export running there): this one stops in one line."""
+    tuned = _static_tuned(pair, tmp_path)
+    out = tmp_path / "exp"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        one_line_error(capsys, main(["export", "--tuned", str(tuned), "--out", str(out)]),
+                       "is being written by another run", f"pid {holder.pid}")
+        assert sorted(p.name for p in out.iterdir()) == [outputs.LOCK_DIR]  # nothing written beside the lock
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_two_exports_into_one_new_folder_one_is_refused(pair, tmp_path, monkeypatch, capsys):
+    """A second export process started while the first writes the same new folder exits 2."""
+    tuned = _static_tuned(pair, tmp_path)
+    out = tmp_path / "exp"
+    second = {}
+
+    def start_second():
+        second["run"] = subprocess.run(
+            [sys.executable, "-m", "specstop.cli", "export", "--tuned", str(tuned), "--out", str(out)],
+            capture_output=True, text=True, cwd=REPO, timeout=300,
+        )
+
+    _during_export(monkeypatch, start_second)
+    assert main(["export", "--tuned", str(tuned), "--out", str(out)]) == 0
+    run = second["run"]
+    assert run.returncode == 2, run.stderr
+    assert "is being written by another run" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_folder_lock_never_counts_a_lock_being_written_as_stale(tmp_path, monkeypatch):
+    """The lock file appears with its holder already in it: a reader never sees an empty lock."""
+    real_open = os.open
+    seen = []
+
+    def spy(path, flags, *args, **kwargs):
+        if str(path).endswith(".lock") and flags & os.O_CREAT:
+            seen.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(outputs.os, "open", spy)
+    lock = outputs.FolderLock(tmp_path / "f").acquire()
+    try:
+        assert seen == []  # never created empty under its final name
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+    assert not lock.path.exists()
+
+
+# ------------------------------------------------------------------------------ file modes
+@pytest.fixture
+def umask():
+    """``umask(value)`` sets the process umask for this test (restored afterwards)."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield os.umask
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict[str, int]:
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root.parent)): p.stat().st_mode & 0o777 for p in files}
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600)], ids=["umask-022", "umask-077"])
+def test_written_files_get_the_mode_of_a_plain_open(pair, synth_dir, tmp_path, umask, mask, mode, capsys):
+    from _data_gen_helpers import make_render, records
+
+    from specstop.data_gen.config import DataGenConfig
+    from specstop.data_gen.runner import generate_dataset
+    from specstop.eval.cost import CostModel
+
+    umask(mask)
+    tuned_in = _static_tuned(pair, tmp_path)
+    # a cost table, a tuned file, an export folder and engine settings
+    CostModel(t_draft=0.01, t_target=0.03).save(tmp_path / "cost.json")
+    assert main(["tune", "--data", str(synth_dir), "--cost-model", str(tmp_path / "cost.json"), "--sl-max-grid", "4",
+                 "--out", str(tmp_path / "tuned.json")]) == 0, capsys.readouterr().err
+    assert main(["export", "--tuned", str(tuned_in), "--out", str(tmp_path / "exp")]) == 0
+    assert main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(tmp_path / "eng"), "--for", "vllm"]) == 0
+    # a dataset: manifest, card and shards
+    cfg = DataGenConfig(prompts_per_shard=2)
+    cfg.generation.max_new_tokens = 4
+    cfg.labels.rollouts.length = 2
+    generate_dataset(pair, records(3), cfg, tmp_path / "ds", render=make_render(pair.tokenizer), progress=False)
+    found = {}
+    for name in ("exp", "eng", "cost.json", "tuned.json", "ds"):
+        found.update(_modes(tmp_path / name))
+    assert {"exp/config.json", "eng/vllm.json", "cost.json", "tuned.json", "ds/manifest.json", "ds/README.md"} <= set(found)
+    assert {k: oct(v) for k, v in found.items() if v != mode} == {}
