@@ -289,11 +289,15 @@ def _interrupt_after(monkeypatch, calls: int, action) -> None:
     monkeypatch.setattr(workers_mod._ProcessWorker, "result", result)
 
 
-def test_worker_error_shuts_everything_down(own_decoder, prompts):
+def test_worker_error_shuts_everything_down(own_decoder, prompts, monkeypatch):
+    from specstop.decode import pearl
+
     before = _shm_entries()
     own_decoder.start()
     pids = own_decoder.workers.pids()
     assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+    # generate refuses such a prompt up front; let it through, so a worker's forward fails
+    monkeypatch.setattr(pearl, "check_request", lambda pair, ids, n, **kw: list(ids))
     with pytest.raises(WorkerError, match="worker failed: IndexError"):
         own_decoder.generate(prompts[0][:3] + [10**6] + prompts[0][3:], 8)  # no such token: the forward fails
     _assert_clean(pids, before)

@@ -49,6 +49,7 @@ from specstop.decode.tree_cache import TREE_ATTENTION_IMPLS
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
+from specstop.pair.context import check_request, check_seed
 from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
 
 __all__ = ["BatchDecodeResult", "BatchedSpeculativeDecoder"]
@@ -231,7 +232,7 @@ class BatchedSpeculativeDecoder:
 
     def __init__(self, pair, policy: StoppingPolicy | str, decoding: DecodingConfig | None = None) -> None:
         self.pair = pair
-        self.policy = StoppingPolicy.from_string(policy) if isinstance(policy, str) else policy
+        self.policy = StoppingPolicy.for_pair(policy, pair)
         self.decoding = decoding or DecodingConfig()
         self.policy.configure(self.decoding, pair.vocab_size)
         self.vocab_size = pair.vocab_size
@@ -255,10 +256,12 @@ class BatchedSpeculativeDecoder:
         Returns:
             :class:`BatchDecodeResult`, rows in prompt order.
         """
-        if not prompts or any(not p for p in prompts):
-            raise UserError("every prompt needs at least one token (give the rendered prompt ids, one list per row)")
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not (isinstance(prompts, (list, tuple)) or getattr(prompts, "ndim", None) == 2):
+            raise UserError(f"prompts must be a list of prompts (one list of token ids per row), got {type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise UserError("prompts is empty: give at least one prompt (one list of token ids per row)")
+        prompts = [check_request(self.pair, p, max_new_tokens, what=f"prompts[{i}]") for i, p in enumerate(prompts)]
+        seed = check_seed(seed)
         pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
         n_rows = len(prompts)
         draft = _BatchLM(pair.draft, n_rows)

@@ -34,6 +34,7 @@ import torch
 
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
+from specstop.pair.context import check_request, check_seed
 from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
 
 __all__ = ["DecodeResult", "SpeculativeDecoder", "eos_token_ids"]
@@ -161,7 +162,8 @@ class SpeculativeDecoder:
 
     Args:
         pair: the draft/target :class:`~specstop.pair.ModelPair`.
-        policy: any :class:`StoppingPolicy` (static, heuristic, confidence, exported predictor).
+        policy: any :class:`StoppingPolicy` (static, heuristic, confidence, exported predictor), or
+            its string or export folder (:meth:`StoppingPolicy.for_pair`, as the batched decoder).
         decoding: the decoding transform for both models (temperature 0 = greedy).
         static_cache: use HF ``StaticCache`` (needed for ``compile``; mainly for CUDA).
         compile: ``torch.compile`` both models' forwards (CUDA; CPU works but compiles slowly).
@@ -171,7 +173,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         pair,
-        policy: StoppingPolicy,
+        policy: StoppingPolicy | str,
         decoding: DecodingConfig | None = None,
         *,
         static_cache: bool = False,
@@ -179,7 +181,7 @@ class SpeculativeDecoder:
         max_cache_len: int = 4096,
     ) -> None:
         self.pair = pair
-        self.policy = policy
+        self.policy = policy = StoppingPolicy.for_pair(policy, pair)
         self.decoding = decoding or DecodingConfig()
         self.policy.configure(self.decoding, pair.vocab_size)
         self.vocab_size = pair.vocab_size
@@ -222,10 +224,8 @@ class SpeculativeDecoder:
             max_draft: cap every round at this many drafted tokens; 0 is plain target decoding through
                 the same code path (the baseline benchmarks compare against, prefill timed alike).
         """
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: give at least one token (e.g. the chat template's header)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = check_request(self.pair, prompt_ids, max_new_tokens)
+        seed = check_seed(seed)
         pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
         policy.start_sequence()
         max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2

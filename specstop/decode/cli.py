@@ -101,7 +101,7 @@ def render(text: str, tokenizer, chat_template: bool, system_prompt: str | None 
 def run(args: DecodeSettings, as_json: bool = False) -> int:
     from specstop.decode import TreeDecoder, parse_tree_policy
     from specstop.decode.chain import SpeculativeDecoder
-    from specstop.export.runtime import StoppingPolicy, check_policy_inputs
+    from specstop.export.runtime import StoppingPolicy
     from specstop.pair import load_named_pair
     from specstop.probs import DecodingConfig
 
@@ -144,14 +144,7 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
             node_head.check_pair(pair)
         decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
     else:
-        policy = StoppingPolicy.load(
-            args.policy,
-            draft_identity=pair.draft_identity,
-            tokenizer_hash=pair.tokenizer_hash,
-            allow_draft_mismatch=args.allow_draft_mismatch,
-            device=pair.draft_device,
-        )
-        check_policy_inputs(policy, pair.draft_identity.hidden_size, args.policy)
+        policy = StoppingPolicy.for_pair(args.policy, pair, allow_draft_mismatch=args.allow_draft_mismatch)
         decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
     prompt_ids = render(text, pair.tokenizer, args.chat_template, args.system_prompt)
     check_fits(

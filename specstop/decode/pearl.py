@@ -63,6 +63,7 @@ from specstop.decode.chain import DecodeResult, eos_token_ids
 from specstop.decode.pearl_server import load_stop_policy
 from specstop.decode.pearl_spec import PearlSpec
 from specstop.decode.pearl_workers import PearlWorkers
+from specstop.pair.context import check_request, check_seed
 from specstop.probs import DecodingConfig, accept_probability, residual_distribution
 
 __all__ = ["PearlDecoder", "measured_gamma"]
@@ -246,10 +247,8 @@ class PearlDecoder:
             WorkerError: a worker failed or died; both workers are shut down (the next call restarts
                 them). A KeyboardInterrupt shuts them down as well.
         """
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: give at least one token (e.g. the chat template's header)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = check_request(self.pair, prompt_ids, max_new_tokens)
+        seed = check_seed(seed)
         try:
             self.start()
             return self._generate(list(prompt_ids), max_new_tokens, seed, max_draft)

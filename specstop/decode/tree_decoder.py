@@ -32,6 +32,7 @@ from specstop.decode.token_tree import TokenTree
 from specstop.decode.tree_cache import TreeLM
 from specstop.decode.verify import greedy_walk, sampling_walk
 from specstop.errors import UserError
+from specstop.pair.context import check_request, check_seed
 from specstop.probs import DecodingConfig, logits_to_probs
 from specstop.tree_policy import DynamicTreeShape, StaticTreeShape, TreeShape
 
@@ -114,10 +115,8 @@ class TreeDecoder:
             seed: seeds the candidate draws, the acceptance uniforms and the final samples (sampling only).
             max_draft: cap the tree depth every round (0: plain target decoding through the same loop).
         """
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: give at least one token (e.g. the chat template's header)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = check_request(self.pair, prompt_ids, max_new_tokens)
+        seed = check_seed(seed)
         if self.target_init is not None:
             return self._generate_target_init(prompt_ids, max_new_tokens, seed, max_draft)
         greedy = self.decoding.greedy

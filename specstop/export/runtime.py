@@ -156,6 +156,45 @@ class StoppingPolicy(
         return cls(parse_policy_string(text))
 
     @classmethod
+    def for_pair(cls, policy: StoppingPolicy | PolicySpec | str | Path, pair: Any = None, *,
+                 allow_draft_mismatch: bool = False) -> StoppingPolicy:
+        """The policy a decoder of ``pair`` runs, from any form it is given in - the one parser
+        :class:`~specstop.decode.chain.SpeculativeDecoder`, the batched decoder and ``specstop
+        decode`` share.
+
+        Args:
+            policy: a :class:`StoppingPolicy` (used as is), a rule's :class:`PolicySpec`, a policy
+                string (``static:4``, ``heuristic``, ``confidence:0.4``) or an export folder (checked
+                against the pair's draft and tokenizer, loaded next to the draft).
+            pair: the :class:`~specstop.pair.ModelPair` it will run on (None: no checks).
+            allow_draft_mismatch: load an export made for another draft or tokenizer.
+
+        Raises:
+            UserError: a malformed string, another type, an export for another draft, or a predictor
+                reading hidden states of another size than the draft's.
+        """
+        identity = getattr(pair, "draft_identity", None)
+        if isinstance(policy, StoppingPolicy):
+            loaded = policy
+        elif isinstance(policy, PolicySpec):
+            if policy.kind == "predictor":
+                raise UserError(f"policy {policy.label} is a learned predictor: give its export folder instead of its spec")
+            loaded = cls.from_spec(policy)
+        elif isinstance(policy, (str, Path)):
+            loaded = cls.load(
+                policy, draft_identity=identity, tokenizer_hash=getattr(pair, "tokenizer_hash", None),
+                allow_draft_mismatch=allow_draft_mismatch, device=getattr(pair, "draft_device", "cpu"),
+            )
+        else:
+            raise UserError(
+                f"policy must be a StoppingPolicy, a policy string (static:K, heuristic[:START], confidence[:TAU]) or an "
+                f"export folder, got {type(policy).__name__}"
+            )
+        check_policy_inputs(loaded, getattr(identity, "hidden_size", None), str(policy if not isinstance(
+            policy, StoppingPolicy) else policy.label))
+        return loaded
+
+    @classmethod
     def load(cls, policy: str | Path, **kwargs) -> StoppingPolicy:
         """An export folder (anything that is a directory) or a policy string."""
         if Path(policy).is_dir():
