@@ -8,6 +8,7 @@ every such name is checked here. Only the standard library is imported (the expo
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -34,18 +35,39 @@ def check_plain_name(name: object, what: str) -> str:
     return name
 
 
-def confined_file(root: str | Path, relative: object, what: str) -> Path:
+def confined_file(root: str | Path, relative: object, what: str, *, links_into: str | Path | None = None) -> Path:
     """``root / relative`` when it stays inside ``root`` (no absolute paths, no ``..`` escapes).
 
+    Args:
+        root: the folder the file must be in.
+        relative: the file's name as a file or config gives it.
+        what: what names it, for the message.
+        links_into: one more folder the file may lie in once symlinks are followed (a Hugging Face
+            cache snapshot's files are links into its repository's ``blobs/``). The name itself
+            must still stay inside ``root``.
+
     Raises:
-        UserError: ``relative`` is not a string, is absolute, or resolves outside ``root``.
+        UserError: ``relative`` is not a string, is absolute, or resolves outside ``root`` (and
+            outside ``links_into``).
     """
     root = Path(root)
     if not isinstance(relative, str) or not relative or Path(relative).is_absolute():
         raise UserError(f"{what} {relative!r} must be a file name inside {root}, not an absolute or empty path")
     path = root / relative
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        raise UserError(f"{what} {relative!r} points outside {root}; it must name a file inside that folder") from None
+    real = path.resolve()
+    inside_root = _inside(real, root.resolve())
+    if not inside_root and links_into is not None:
+        # Through a link only: the name may not climb out of root ('..') on its way there.
+        inside_root = _inside(Path(os.path.normpath(path)), Path(os.path.normpath(root))) and _inside(
+            real, Path(links_into).resolve())
+    if not inside_root:
+        raise UserError(f"{what} {relative!r} points outside {root}; it must name a file inside that folder")
     return path
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.relative_to(folder)
+    except ValueError:
+        return False
+    return True

@@ -312,3 +312,85 @@ def test_verify_finds_a_shard_of_another_pair(reference, pair, tmp_path):
     (out / storage.MANIFEST).write_text(json.dumps(man))
     problems, n = dataset_problems(out)
     assert n == 4 and len(problems) == 4 and "another pair or dtype" in problems[0]
+
+
+# ------------------------------------------------------------------------------ swapped / re-typed shards
+@pytest.fixture(scope="module")
+def tuned_synthetic(tmp_path_factory):
+    """A finished synthetic dataset (two shards per split, each recorded in the manifest with its
+    digest, as `specstop generate` records them) and a tuned file made on it."""
+    from specstop.testing import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("digests")
+    data = write_synthetic_dataset(root / "data", {"validation": 4, "test": 4}, 24, shards_per_split=2,
+                                   with_rollouts=True)
+    man = json.loads((data / storage.MANIFEST).read_text())
+    man["shards"] = sorted(p.name for p in storage.shards_root(data).iterdir())
+    man["shard_digests"] = {n: storage.shard_digest(storage.read_shard_record(storage.shards_root(data) / n))
+                            for n in man["shards"]}
+    (data / storage.MANIFEST).write_text(json.dumps(man))
+    tuned = root / "tuned.json"
+    assert main(["tune", "--data", str(data), "--cost-model", "llama2-7b-70b", "--sl-max-grid", "4,8",
+                 "--out", str(tuned)]) == 0
+    return data, tuned
+
+
+def _swap(a: Path, b: Path) -> None:
+    a.rename(a.with_name("swap"))
+    b.rename(a)
+    a.with_name("swap").rename(b)
+
+
+def _retype(shard: Path, table: str = "tokens", column: str = "entropy") -> None:
+    """Rewrite one table with another column type and a completion record that matches the new files
+    (what a script re-saving the shard with `datasets` would leave): every file checks out on its own."""
+    from datasets import Value, load_from_disk
+
+    from specstop.digest import sha256_file
+
+    retyped = load_from_disk(str(shard / table)).cast_column(column, Value("float64"))
+    retyped.save_to_disk(str(shard.parent / ".retyped"))
+    del retyped
+    shutil.rmtree(shard / table)
+    (shard.parent / ".retyped").rename(shard / table)
+    rec = storage.read_shard_record(shard)
+    rec["files"] = {str(p.relative_to(shard)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                    for p in sorted(shard.rglob("*")) if p.is_file() and p.name != storage.COMPLETE_MARKER}
+    (shard / storage.COMPLETE_MARKER).write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("damage", ["swapped", "retyped", "retyped-without-digests"])
+def test_tune_and_eval_refuse_a_swapped_or_retyped_shard(tuned_synthetic, tmp_path, capsys, damage):
+    from test_faults_inputs import one_line_error
+
+    data, tuned = tuned_synthetic
+    out = tmp_path / "data"
+    shutil.copytree(data, out)
+    shards = storage.shards_root(out)
+    if damage == "swapped":  # a validation shard and a test shard trade places: each is intact on its own
+        _swap(shards / "validation-00001", shards / "test-00000")
+        bad = {"tune": "validation-00001", "eval": "test-00000"}
+    else:
+        _retype(shards / "validation-00000")
+        _retype(shards / "test-00001")
+        bad = {"tune": "validation-00000", "eval": "test-00001"}
+        if damage == "retyped-without-digests":  # a manifest written before shard digests existed
+            man = json.loads((out / storage.MANIFEST).read_text())
+            del man["shard_digests"]
+            (out / storage.MANIFEST).write_text(json.dumps(man))
+    tuned_here = tmp_path / "tuned.json"
+    tuned_here.write_text(tuned.read_text().replace(str(data), str(out)))
+    capsys.readouterr()
+    for command, args in (
+        ("tune", ["--data", str(out), "--cost-model", "llama2-7b-70b", "--sl-max-grid", "4,8",
+                  "--out", str(tmp_path / "t2.json")]),
+        ("eval", ["--data", str(out), "--tuned", str(tuned_here), "--out", str(tmp_path / "report")]),
+    ):
+        line = one_line_error(capsys, main([command, *args]), f"dataset {out} is damaged", f"shard {bad[command]}",
+                              "specstop generate --verify --data")
+        # Intact on its own, a rerun of generate would keep it: the line says to remove it first.
+        assert f"delete (or move away) {shards / bad[command]} and rerun the `specstop generate` command" in line
+    assert not (tmp_path / "t2.json").exists() and not (tmp_path / "report" / "report.md").exists()
+    assert main(["generate", "--verify", "--data", str(out)]) == 2  # and --verify lists both
+    listed = capsys.readouterr().out
+    assert all(f"shard {name}: " in listed for name in bad.values()) and "delete that shard folder first" in listed

@@ -359,10 +359,17 @@ def test_train_keeps_the_last_epoch_and_ctrl_c_prints_how_to_resume(synth_dir, t
     monkeypatch.chdir(tmp_path)
     argv = ["train", "--config", str(REPO / "configs/train/disco_ffn.yaml"), "--data.data_dir", str(synth_dir),
             "--trainer.max_epochs", "5", "--trainer.enable_progress_bar", "false"]
-    with pytest.raises(SystemExit):
-        main(argv)
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            main(argv)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
     err = capsys.readouterr().err
     hint = next(ln for ln in err.splitlines() if ln.startswith("specstop train: interrupted"))
     last = sorted(tmp_path.rglob("last.ckpt"))
     assert last, "no last.ckpt: the latest epoch would be lost"
-    assert f"--ckpt_path {last[0].resolve()}" in hint and "epoch 2" in hint
+    # Stopped as epoch 2 starts: epochs 0 and 1 are done, and last.ckpt holds epoch 1.
+    assert f"--ckpt_path {last[0].resolve()}" in hint and "during epoch 2; epoch 1 (step " in hint

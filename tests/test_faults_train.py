@@ -124,3 +124,91 @@ def test_low_memory_during_training_is_one_line(synth_dir, tmp_path, monkeypatch
     line = next(ln for ln in err.splitlines() if ": error: " in ln)
     assert line.startswith("specstop train: error: stopped in specstop train before the machine runs out of memory")
     assert "data.batch_size" in line and "Traceback" not in err
+
+
+def _approx_equal(a, b, path="") -> None:
+    """Nested metrics (dicts, lists, numbers) equal within float tolerance."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(a), sorted(b) if isinstance(b, dict) else b)
+        for k in a:
+            _approx_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _approx_equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-6, nan_ok=True), path
+    else:
+        assert a == b, path
+
+
+def test_interrupted_train_resumes_from_its_last_epoch(synth_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in epoch 5: last.ckpt holds epoch 4 (not the best one, epoch 3) and the hint says so; the
+    command it prints finishes the run with the metrics and weights of a run that was never interrupted."""
+    import re
+    import shlex
+    import signal
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import Callback
+
+    from specstop.cli import main
+    from specstop.train import cli as train_cli
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "train" / "disco_ffn.yaml"
+    args = ["train", "--config", str(cfg), "--data", str(synth_dir), "--trainer.max_epochs", "6",
+            "--data.batch_size", "512", "--model.init_args.lr", "1.0", "--trainer.enable_progress_bar", "false"]
+    monkeypatch.chdir(tmp_path)
+
+    def best_of(out: str) -> Path:
+        return Path(out.split("best checkpoint: ")[1].splitlines()[0])
+
+    assert main([*args, "--trainer.default_root_dir", "full"]) == 0
+    full_best = best_of(capsys.readouterr().out)
+    full_last = torch.load(full_best.parent / "last.ckpt", map_location="cpu", weights_only=True)
+    assert full_last["epoch"] == 5
+    steps_per_epoch = full_last["global_step"] // 6
+    # At this learning rate validation AUROC peaks in epoch 3: the run must remember its best across the resume.
+    assert re.search(r"best-(\d+)-", full_best.name).group(1) == "03"
+
+    class CtrlC(Callback):  # the user presses Ctrl-C during the second batch of epoch 5
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 5 and batch_idx == 1:
+                raise KeyboardInterrupt
+
+    plain = train_cli.SpecstopCLI.before_fit
+
+    def before_fit(self):
+        plain(self)
+        self.trainer.callbacks.append(CtrlC())
+
+    monkeypatch.setattr(train_cli.SpecstopCLI, "before_fit", before_fit)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning shuts down and exits after Ctrl-C
+            main([*args, "--trainer.default_root_dir", "part"])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-C while it shuts down
+    monkeypatch.setattr(train_cli.SpecstopCLI, "before_fit", plain)
+    hint = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("specstop train: interrupted"))
+    said = re.search(r"epoch (\d+) \(step (\d+)\) is saved in (\S+): resume with `(.+)`$", hint)
+    assert said, hint
+    saved = torch.load(said.group(3), map_location="cpu", weights_only=True)
+    assert Path(said.group(3)).name == "last.ckpt"
+    # The hint tells the truth: the file holds the last finished epoch, not the best or the current one.
+    assert saved["epoch"] == int(said.group(1)) == 4
+    assert saved["global_step"] == int(said.group(2)) == 5 * steps_per_epoch
+
+    cmd = shlex.split(said.group(4))
+    assert cmd[:2] == ["specstop", "train"] and cmd[-2:] == ["--ckpt_path", str(Path(said.group(3)).resolve())]
+    assert main(cmd[1:]) == 0
+    resumed_best = best_of(capsys.readouterr().out)
+    full_metrics = json.loads((full_best.parent / "metrics.json").read_text())
+    resumed_metrics = json.loads((resumed_best.parent / "metrics.json").read_text())
+    assert resumed_metrics["best_score"] == pytest.approx(full_metrics["best_score"], abs=1e-6)
+    assert re.search(r"best-(\d+)-", resumed_best.name).group(1) == re.search(r"best-(\d+)-", full_best.name).group(1)
+    _approx_equal(full_metrics["validation"], resumed_metrics["validation"])
+    resumed_last = torch.load(next(Path("part").rglob("version_1/**/last.ckpt")), map_location="cpu", weights_only=True)
+    assert resumed_last["epoch"] == 5 and resumed_last["global_step"] == full_last["global_step"]
+    for name, a in full_last["state_dict"].items():
+        assert torch.allclose(a, resumed_last["state_dict"][name], atol=1e-6), name

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -93,6 +94,119 @@ def test_from_pretrained_accepts_a_hub_id(exports, monkeypatch):
     local = StoppingPolicy.from_pretrained(exports["sdpp"])
     for a, b in zip(policy.predictor.state_dict().values(), local.predictor.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _hub_cache(cache, repo_id: str, folder, revision: str = "main"):
+    """``folder`` laid out in the Hugging Face cache ``cache`` exactly as ``snapshot_download`` leaves
+    a model repo: ``models--owner--name/blobs/<etag>`` (git blob sha1, sha256 for LFS files),
+    ``snapshots/<commit>/<path>`` relative symlinks to them, ``refs/<revision>`` naming the commit and
+    the commit's tree listing. Returns the snapshot folder."""
+    import hashlib
+
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.file_download import (
+        _cache_commit_hash_for_specific_revision,
+        _create_symlink,
+        repo_folder_name,
+    )
+
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    listing = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel, data = f.relative_to(folder).as_posix(), f.read_bytes()
+        git_sha1 = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        lfs_sha256 = hashlib.sha256(data).hexdigest() if f.suffix == ".safetensors" else None
+        blob = storage / "blobs" / (lfs_sha256 or git_sha1)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        pointer = storage / "snapshots" / commit / rel
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        _create_symlink(str(blob), str(pointer), new_blob=True)
+        listing[rel] = (len(data), git_sha1, lfs_sha256)
+    _cache_commit_hash_for_specific_revision(str(storage), revision, commit)
+    try:  # huggingface_hub >= 1.x also caches the commit's file listing next to the snapshots
+        from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+    except ImportError:
+        pass
+    else:
+        write_tree_cache(str(storage), commit, {
+            rel: TreeCacheEntry(size=n, blob_id=sha1, lfs_sha256=lfs, lfs_size=n if lfs else None)
+            for rel, (n, sha1, lfs) in listing.items()
+        })
+    snapshot = storage / "snapshots" / commit
+    assert (snapshot / "config.json").is_symlink()
+    (repo,) = [r for r in scan_cache_dir(cache).repos if r.repo_id == repo_id]  # huggingface_hub reads it as its own
+    assert {f.file_name for rev in repo.revisions for f in rev.files} >= {"config.json", "model.safetensors"}
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache that every hub lookup of this test uses, offline."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_from_pretrained_reads_a_hub_id_from_the_real_cache_layout(exports, hub_cache):
+    snapshot = _hub_cache(hub_cache, "someone/sdpp-policy", exports["sdpp"])
+    assert (snapshot / "model.safetensors").resolve().parent.name == "blobs"
+    policy = StoppingPolicy.from_pretrained("someone/sdpp-policy")
+    local = StoppingPolicy.from_pretrained(exports["sdpp"])
+    for a, b in zip(policy.predictor.state_dict().values(), local.predictor.state_dict().values()):
+        assert torch.equal(a, b)
+    # The snapshot folder itself (what snapshot_download returns) loads as a folder too.
+    assert StoppingPolicy.from_pretrained(snapshot).config["policy"] == local.config["policy"]
+
+
+def test_custom_generate_runs_a_hub_id_from_the_real_cache_layout(pair, exports, hub_cache, monkeypatch):
+    from specstop.decode import hf_assist
+
+    _hub_cache(hub_cache, "someone/disco-policy", exports["disco"])
+    rounds = []
+    original = hf_assist.PolicyCandidateGenerator.get_candidates
+
+    def spy(self, input_ids, **kwargs):
+        out = original(self, input_ids, **kwargs)
+        rounds.append(self.last_k)
+        return out
+
+    monkeypatch.setattr(hf_assist.PolicyCandidateGenerator, "get_candidates", spy)
+    x = torch.tensor([tiny_prompts(pair, ("def f(x):",))[0]])
+    ref = pair.target.generate(x, max_new_tokens=8, do_sample=False)
+    out = pair.target.generate(x, assistant_model=pair.draft, max_new_tokens=8, do_sample=False,
+                               custom_generate="someone/disco-policy", trust_remote_code=True)
+    assert out[0].tolist() == ref[0].tolist()
+    assert rounds, "custom_generate did not draft through the policy"
+
+
+def test_cache_links_that_leave_the_repos_own_blobs_are_refused(exports, hub_cache, tmp_path):
+    from specstop.errors import UserError
+
+    snapshot = _hub_cache(hub_cache, "someone/sdpp-policy", exports["sdpp"])
+    other = _hub_cache(hub_cache, "else/disco-policy", exports["disco"])
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(exports["sdpp"] / "model.safetensors", outside)
+    weights = snapshot / "model.safetensors"
+    for target in (outside, (other / "model.safetensors").resolve()):  # anywhere else, another repo's blob
+        weights.unlink()
+        weights.symlink_to(os.path.relpath(target, weights.parent))
+        with pytest.raises(UserError, match="points outside"):
+            StoppingPolicy.from_pretrained("someone/sdpp-policy")
+    # A plain export folder still keeps its weights inside itself.
+    folder = tmp_path / "plain"
+    shutil.copytree(exports["sdpp"], folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(UserError, match="points outside"):
+        StoppingPolicy.from_pretrained(folder)
 
 
 def test_push_to_hub_uploads_the_export_layout(exports, monkeypatch, tmp_path):

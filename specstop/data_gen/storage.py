@@ -187,11 +187,35 @@ def shard_digest(record: Mapping[str, Any] | None) -> str | None:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def digest_problem(manifest: Mapping[str, Any] | None, name: str, record: Mapping[str, Any] | None) -> str | None:
+    """What is wrong with shard ``name`` against the digest its dataset's manifest recorded, or None.
+
+    A shard that checks out on its own (every file matches its completion record) can still be
+    another shard: two shards swapped, one copied in from another dataset, or one rewritten with
+    its record (a column re-typed). Manifests written before digests existed record none: None.
+    """
+    want = ((manifest or {}).get("shard_digests") or {}).get(name)
+    if want is None or shard_digest(record) == want:
+        return None
+    return (
+        "it is not the shard this dataset's manifest recorded (other files or prompts): swapped with another "
+        "shard, rewritten, or a shard folder copied in from another dataset?"
+    )
+
+
 class DamagedDatasetError(UserError):
     """A finished dataset has a missing or damaged shard."""
 
 
-def damaged_message(out_dir: str | Path, name: str, problem: str) -> str:
+def damaged_message(out_dir: str | Path, name: str, problem: str, *, substituted: bool = False) -> str:
+    """The one line every reader prints for a missing, damaged or (``substituted``) wrong shard."""
+    if substituted:  # intact on its own, so a rerun would keep it: it has to go first
+        return (
+            f"dataset {out_dir} is damaged: shard {name}: {problem}. Reading on would silently mix in rows that "
+            f"are not this dataset's; delete (or move away) {shards_root(out_dir) / name} and rerun the "
+            "`specstop generate` command that made it (same config and --data): it regenerates the missing shard "
+            f"(`specstop generate --verify --data {out_dir}` lists every problem)"
+        )
     return (
         f"dataset {out_dir} is damaged: shard {name}: {problem}. Reading on would silently drop its rows; "
         "rerun the `specstop generate` command that made it (same config and --data): it regenerates only "
@@ -199,10 +223,56 @@ def damaged_message(out_dir: str | Path, name: str, problem: str) -> str:
     )
 
 
-def expected_shards(out_dir: str | Path) -> list[str] | None:
+def table_schema(manifest: Mapping[str, Any] | None, table: str):
+    """The ``datasets.Features`` ``table`` has in a finished dataset with this manifest, or None
+    when the manifest does not say (no ``labels.topk_k``)."""
+    labels = manifest.get("labels") if isinstance(manifest, Mapping) else None
+    if not isinstance(labels, Mapping) or not isinstance(labels.get("topk_k"), int):
+        return None
+    hidden = labels.get("hidden_size")
+    return features_for(table, labels["topk_k"], hidden if isinstance(hidden, int) else None)
+
+
+def column_type_problem(table: str, features: Mapping[str, Any], schema: Mapping[str, Any] | None) -> str | None:
+    """A column of ``table`` whose type differs from the schema's (a shard rewritten by hand), or None.
+
+    Columns the schema does not know, and schema columns a shard lacks (data from an older labels
+    version), are left to the readers that ask for them.
+    """
+    for column, want in (schema or {}).items():
+        got = features.get(column)
+        if got is not None and got != want:
+            return (
+                f"table {table!r} column {column!r} is {_type_name(got)} but the dataset's schema says "
+                f"{_type_name(want)} (the shard was rewritten)"
+            )
+    return None
+
+
+def shard_column_problem(path: str | Path, manifest: Mapping[str, Any] | None) -> str | None:
+    """:func:`column_type_problem` of every table of a shard (read from its ``dataset_info.json``)."""
+    from datasets import Features
+
+    for table in TABLES:
+        info = read_json_or_none(Path(path) / table / "dataset_info.json")
+        if isinstance(info, dict) and isinstance(info.get("features"), dict):
+            problem = column_type_problem(table, Features.from_dict(info["features"]), table_schema(manifest, table))
+            if problem is not None:
+                return problem
+    return None
+
+
+def _type_name(feature) -> str:
+    return str(getattr(feature, "dtype", None) or feature)
+
+
+def expected_shards(out_dir: str | Path, manifest: Mapping[str, Any] | None = None) -> list[str] | None:
     """Shard names a finished dataset must hold (its manifest's list; every shard folder for
-    manifests written before the list existed), or None when there is no manifest."""
-    man = read_json_or_none(Path(out_dir) / MANIFEST)
+    manifests written before the list existed), or None when there is no manifest.
+
+    ``manifest``: the manifest when the caller has read it already.
+    """
+    man = manifest if manifest is not None else read_json_or_none(Path(out_dir) / MANIFEST)
     if man is None:
         return None
     if isinstance(man.get("shards"), list):
@@ -214,15 +284,22 @@ def expected_shards(out_dir: str | Path) -> list[str] | None:
 def complete_shards(out_dir: str | Path, split: str | None = None, *, strict: bool | None = None) -> list[Path]:
     """Verified shard folders, sorted by name, optionally of one split.
 
+    Every reader of a finished dataset comes through here (``load_table``, ``load_arrays``: train,
+    tune, eval, replay), so each shard it returns is the one the manifest recorded: intact (every
+    file as its completion record says) and, where the manifest records digests, that very shard
+    (not one swapped, rewritten or copied in).
+
     Args:
         out_dir: dataset folder.
         split: only this split's shards.
-        strict: raise :class:`DamagedDatasetError` for a missing or damaged shard instead of leaving
-            it out. Default: strict when the dataset is finished (has a manifest); a dataset still
-            being generated is read leniently (its unfinished shards are simply not there yet).
+        strict: raise :class:`DamagedDatasetError` for a missing, damaged or substituted shard
+            instead of leaving it out. Default: strict when the dataset is finished (has a
+            manifest); a dataset still being generated is read leniently (its unfinished shards are
+            simply not there yet).
     """
     root = shards_root(out_dir)
-    expected = expected_shards(out_dir)
+    manifest = read_json_or_none(Path(out_dir) / MANIFEST)
+    expected = expected_shards(out_dir, manifest)
     if strict is None:
         strict = expected is not None
     if strict and expected is not None:
@@ -234,6 +311,10 @@ def complete_shards(out_dir: str | Path, split: str | None = None, *, strict: bo
         if split is not None and not name.startswith(f"{split}-"):
             continue
         problem = shard_problem(root / name)
+        if problem is None and strict:
+            wrong = digest_problem(manifest, name, read_shard_record(root / name))
+            if wrong is not None:
+                raise DamagedDatasetError(damaged_message(out_dir, name, wrong, substituted=True))
         if problem is None:
             out.append(root / name)
         elif strict:
@@ -264,12 +345,17 @@ def load_table(out_dir: str | Path, table: str, split: str | None = None):
     if table not in TABLES:
         raise UserError(f"unknown table {table!r}; tables are {TABLES}")
     parts = []
+    schema = table_schema(read_json_or_none(Path(out_dir) / MANIFEST), table)
     for p in complete_shards(out_dir, split):
         # An empty table is saved without any .arrow file, which load_from_disk cannot open:
         # skip tables whose shard record says they have no rows.
         if (read_shard_record(p) or {}).get("rows", {}).get(table, 1) == 0:
             continue
-        parts.append(load_from_disk(str(p / table)))
+        part = load_from_disk(str(p / table))
+        retyped = column_type_problem(table, part.features, schema)
+        if retyped is not None:  # would crash concatenation, or be read silently as another type
+            raise DamagedDatasetError(damaged_message(out_dir, p.name, retyped, substituted=True))
+        parts.append(part)
     parts = [d for d in parts if len(d)]
     if not parts:
         man = read_manifest(out_dir)

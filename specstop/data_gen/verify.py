@@ -1,8 +1,9 @@
 """Checking a finished dataset end to end before it is trusted (``train``, ``generate --verify``).
 
 Every shard the manifest lists must be present and intact (every table, every file's size and
-sha256), made by the pair the manifest names (same weights, tokenizer and dtype), and the shards'
-row counts must add up to the manifest's. Anything else means rows would be silently missing or
+sha256), be the very shard the manifest recorded (its digest; its columns of the schema's types),
+made by the pair the manifest names (same weights, tokenizer and dtype), and the shards' row counts
+must add up to the manifest's. Anything else means rows would be silently missing or
 mixed, so it is an error naming the shard and the fix.
 """
 
@@ -12,16 +13,19 @@ from pathlib import Path
 
 from specstop.data_gen.storage import (
     DamagedDatasetError,
+    digest_problem,
     expected_shards,
     read_manifest,
     read_shard_record,
-    shard_digest,
+    shard_column_problem,
     shard_problem,
     shards_root,
 )
 from specstop.pair.identity import pair_difference
 
 _ROW_KEYS = {"sequences": "prompts", "tokens": "tokens", "mixed": "mixed", "rollouts": "rollouts"}
+# A substituted shard passes its own completion record, so `specstop generate` would keep it.
+_KEPT_BY_A_RERUN = " (it is intact on its own, so a rerun keeps it: delete that shard folder first)"
 
 
 def dataset_problems(out_dir: str | Path) -> tuple[list[str], int]:
@@ -31,7 +35,7 @@ def dataset_problems(out_dir: str | Path) -> tuple[list[str], int]:
         MissingInputError: no manifest (not a finished dataset).
     """
     man = read_manifest(out_dir)
-    names = expected_shards(out_dir) or []
+    names = expected_shards(out_dir, man) or []
     problems: list[str] = []
     totals: dict[str, dict[str, int]] = {}
     for name in names:
@@ -42,12 +46,10 @@ def dataset_problems(out_dir: str | Path) -> tuple[list[str], int]:
             continue
         rec = read_shard_record(path) or {}
         meta = rec.get("meta") or {}
-        want = (man.get("shard_digests") or {}).get(name)
-        if want is not None and shard_digest(rec) != want:
-            problems.append(
-                f"shard {name}: it is not the shard this dataset's manifest recorded (other files or prompts): a "
-                "shard folder copied in from another dataset?"
-            )
+        # The checks every reader makes (storage.complete_shards, storage.load_table).
+        problem = digest_problem(man, name, rec) or shard_column_problem(path, man)
+        if problem is not None:
+            problems.append(f"shard {name}: {problem}{_KEPT_BY_A_RERUN}")
             continue
         diff = pair_difference(man.get("pair"), meta.get("pair"), dtype=True, name=True)
         if diff is not None:

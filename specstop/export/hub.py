@@ -169,5 +169,20 @@ def resolve_folder(
         ) from err
 
 
+def cache_blobs_folder(folder: str | Path) -> Path | None:
+    """The ``blobs/`` folder of the Hugging Face cache repository whose snapshot ``folder`` is, else None.
+
+    ``snapshot_download`` returns ``<cache>/models--owner--name/snapshots/<commit>``, whose files are
+    symlinks to ``../../blobs/<etag>``: the repository's own content, stored once in the cache. A
+    reader confined to the snapshot folder accepts links into that folder, and only that one.
+    """
+    snapshot = Path(folder).resolve()
+    repo = snapshot.parent.parent
+    if snapshot.parent.name != "snapshots" or not repo.name.startswith("models--"):
+        return None
+    blobs = repo / "blobs"
+    return blobs if blobs.is_dir() else None
+
+
 def read_config(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())

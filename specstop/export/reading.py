@@ -13,7 +13,7 @@ from typing import Any
 
 from specstop.errors import MissingInputError, UserError
 from specstop.export.folder import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME
-from specstop.export.hub import resolve_folder
+from specstop.export.hub import cache_blobs_folder, resolve_folder
 from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
 from specstop.names import confined_file
 from specstop.policy import PolicySpec
@@ -135,8 +135,10 @@ def load_predictor_weights(path: Path, cfg_path: Path, pred_cfg: Any) -> Stoppin
         pred_cfg.get("config"), dict
     ):
         raise UserError(f"{cfg_path}: 'predictor' must hold a family name and a config mapping; re-export the policy")
-    # The weights file is named by an editable file: it must stay inside the export folder.
-    weights = confined_file(path, pred_cfg.get("weights", WEIGHTS_NAME), f"{cfg_path.name} predictor.weights")
+    # The weights file is named by an editable file: it must stay inside the export folder (for a
+    # hub download, a link into that repository's blobs in the Hugging Face cache).
+    weights = confined_file(path, pred_cfg.get("weights", WEIGHTS_NAME), f"{cfg_path.name} predictor.weights",
+                            links_into=cache_blobs_folder(path))
     if not weights.is_file():
         raise MissingInputError(f"{path}: config.json names weights {weights.name} but the file is missing")
     try:

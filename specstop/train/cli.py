@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import re
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -49,13 +50,79 @@ class MemoryGuardCallback(Callback):
         raise_if_tripped()
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """The ``checkpoint`` callback: the best epochs by the monitored metric (``--checkpoint.*``).
+
+    A resumed run (``--ckpt_path``) logs into a new version folder, so its checkpoint folder differs
+    from the one the resumed checkpoint recorded; Lightning then forgets the best score so far and
+    would call the first epoch after the resume the best. Here the best so far is kept: its files
+    stay where the first part of the run wrote them (Lightning never removes files outside this
+    run's folder), and a later epoch replaces it only by beating its score, as in a run that was
+    never interrupted.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state_dict)
+            return
+        best = state_dict.get("best_model_path") or ""
+        if not best or not Path(best).exists():
+            super().load_state_dict(state_dict)  # the earlier best is gone: start the ranking afresh
+            return
+        self.best_model_path = best
+        self.best_model_score = state_dict.get("best_model_score")
+        self.best_k_models = {p: s for p, s in (state_dict.get("best_k_models") or {}).items() if Path(p).exists()}
+        self.kth_best_model_path = state_dict.get("kth_best_model_path", self.kth_best_model_path)
+        self.kth_value = state_dict.get("kth_value", self.kth_value)
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` after every epoch (every validation), whatever the monitored metric did.
+
+    Lightning 2's ``save_last=True`` writes last.ckpt only in a step where a best checkpoint was
+    saved, so after Ctrl-C it could hold an epoch long past. This companion of :class:`BestCheckpoint`
+    monitors nothing and keeps one file, ``last.ckpt`` (its ``best_model_path``), rewritten after
+    every validation (or every training epoch when there is none). It runs after the best callback,
+    so last.ckpt holds the best score up to its epoch and a resume ranks later epochs against it.
+    """
+
+    def __init__(self, best: ModelCheckpoint) -> None:
+        super().__init__(
+            dirpath=best.dirpath,
+            filename=self.CHECKPOINT_NAME_LAST,
+            monitor=None,
+            save_top_k=1,
+            save_last=False,
+            save_weights_only=best.save_weights_only,
+            enable_version_counter=False,
+        )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass  # nothing to carry over: the resumed-from last.ckpt is never removed, the next epoch writes a new one
+
+
+def add_last_checkpoint(trainer: L.Trainer) -> None:
+    """Give the best callback a :class:`LastCheckpoint` when it asks for ``save_last``."""
+    best = best_checkpoint_callback(trainer)
+    if best is None or not best.save_last or any(isinstance(c, LastCheckpoint) for c in trainer.callbacks):
+        return
+    best.save_last = False  # written by the companion, after every epoch instead of after improvements only
+    trainer.callbacks.append(LastCheckpoint(best))
+
+
+def best_checkpoint_callback(trainer: L.Trainer) -> ModelCheckpoint | None:
+    """The callback that ranks epochs by the monitored metric (not :class:`LastCheckpoint`)."""
+    return next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
+                 and not isinstance(c, LastCheckpoint)), None)
+
+
 class SpecstopCLI(LightningCLI):
     """LightningCLI with specstop defaults: best- and last-checkpoint callback, CSV + TensorBoard, links."""
 
     _argv: list[str] | None = None  # the command line, for the resume hint
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val_auroc",
@@ -63,7 +130,8 @@ class SpecstopCLI(LightningCLI):
                 "checkpoint.save_top_k": 1,
                 "checkpoint.filename": "best-{epoch:02d}-{val_auroc:.4f}",
                 "checkpoint.auto_insert_metric_name": False,
-                # last.ckpt after every epoch: an interrupted run keeps its latest epoch, not only its best.
+                # last.ckpt after every epoch (LastCheckpoint): an interrupted run keeps its latest
+                # epoch, not only its best.
                 "checkpoint.save_last": True,
                 "trainer.logger": [
                     {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
@@ -101,6 +169,7 @@ class SpecstopCLI(LightningCLI):
 
     def before_fit(self) -> None:
         align_logger_versions(self.trainer)
+        add_last_checkpoint(self.trainer)
         self.trainer.callbacks.append(MemoryGuardCallback())
         self.trainer.callbacks.append(ResumeHintCallback(self._argv))
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -144,9 +213,14 @@ class ResumeHintCallback(Callback):
 
 
 def resume_hint(trainer, argv: list[str]) -> str:
-    """The one line printed when training is interrupted: what was kept and how to resume."""
-    ckpt = trainer.checkpoint_callback
-    last = getattr(ckpt, "last_model_path", "") if ckpt is not None else ""
+    """The one line printed when training is interrupted: what was kept and how to resume.
+
+    The epoch and step it names are read back from the saved file, so the line says what a resume
+    will start from.
+    """
+    last = next((c.best_model_path for c in trainer.checkpoint_callbacks if isinstance(c, LastCheckpoint)), "")
+    if not last:  # `--checkpoint.save_last false`: Lightning's own last file, if any
+        last = getattr(best_checkpoint_callback(trainer), "last_model_path", "")
     if not last or not Path(last).exists():
         return "specstop train: interrupted before the first epoch finished; nothing to resume: rerun the same command"
     args, skip = [], False
@@ -159,8 +233,24 @@ def resume_hint(trainer, argv: list[str]) -> str:
             continue
         if not a.startswith("--ckpt_path="):
             args.append(a)
-    cmd = " ".join(["specstop", "train", *args, "--ckpt_path", str(Path(last).resolve())])
-    return f"specstop train: interrupted; epoch {trainer.current_epoch} is saved in {last}: resume with `{cmd}`"
+    cmd = shlex.join(["specstop", "train", *args, "--ckpt_path", str(Path(last).resolve())])
+    progress = saved_progress(last)
+    saved = f"epoch {progress[0]} (step {progress[1]})" if progress else "the latest saved epoch"
+    return (
+        f"specstop train: interrupted during epoch {trainer.current_epoch}; {saved} is saved in {last}: "
+        f"resume with `{cmd}`"
+    )
+
+
+def saved_progress(path: str | Path) -> tuple[int, int] | None:
+    """``(epoch, global step)`` recorded in a Lightning checkpoint file, or None when unreadable."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(ckpt["epoch"]), int(ckpt["global_step"])
+    except Exception:  # a DeepSpeed folder, a file being replaced: the hint still names the path
+        return None
 
 
 def check_resume_pair(ckpt_path, datamodule) -> None:
@@ -200,7 +290,7 @@ def finish_fit(trainer: L.Trainer, model: PredictorModule, datamodule, *, evalua
     """
     if not trainer.is_global_zero:
         return {}
-    ckpt_cb = trainer.checkpoint_callback
+    ckpt_cb = best_checkpoint_callback(trainer)
     best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
     if not best:
         log.warning("no checkpoint was saved (no validation metric to monitor?); metrics.json not written")
