@@ -182,3 +182,102 @@ def test_written_files_get_the_mode_of_a_plain_open(pair, synth_dir, tmp_path, u
         found.update(_modes(tmp_path / name))
     assert {"exp/config.json", "eng/vllm.json", "cost.json", "tuned.json", "ds/manifest.json", "ds/README.md"} <= set(found)
     assert {k: oct(v) for k, v in found.items() if v != mode} == {}
+
+
+# ------------------------------------------------------------------------------ /dev/shm
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """A private stand-in for /dev/shm (PEARL's session folders go there)."""
+    from specstop.decode import pearl_workers
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    monkeypatch.setattr(pearl_workers, "SHM_DIR", str(folder), raising=False)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["decode", "calibrate-cost"])
+def test_pearl_refuses_a_small_shm_in_one_line(command, tiny_pair_dir, tmp_path, monkeypatch, capsys):
+    """A container's /dev/shm (64 MB, nearly full here): one line before any file is written, not a
+    crash of torch half way."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+    small = {"/dev/shm", tempfile.gettempdir()}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 63 << 20, 1 << 20) if str(p) in small else real(p))
+    from specstop.decode import pearl_spec
+
+    monkeypatch.setattr(pearl_spec, "available_cores", lambda: [0, 1])  # PEARL splits cores (on any machine)
+    before = {p.name for p in Path("/dev/shm").glob("specstop-pearl-*")} if Path("/dev/shm").is_dir() else set()
+    argv = {"decode": ["decode", "--policy", "pearl:2", "--prompt", "hello", "--max-new-tokens", "4", "--pearl-cores", "1,1"],
+            "calibrate-cost": ["calibrate-cost", "--budget", "0.2", "--k-grid", "0,1", "--no-tree", "--no-plot",
+                               "--context-tokens", "16", "--out", str(tmp_path / "cost.json")]}[command]
+    rc = main([*argv, "--pair", str(tiny_pair_dir), "--device", "cpu"])
+    one_line_error(capsys, rc, "PEARL shares both models' weights", "MB there but", "has 1 MB free", "--shm-size=",
+                   "--no-pearl-split")
+    after = {p.name for p in Path("/dev/shm").glob("specstop-pearl-*")} if Path("/dev/shm").is_dir() else set()
+    assert after <= before  # nothing written
+    assert not (tmp_path / "cost.json").exists()
+
+
+_KILLED_DURING_START = textwrap.dedent("""
+    import sys, time
+    from specstop.decode import pearl_workers
+    pearl_workers.SHM_DIR = sys.argv[1]
+    folder = pearl_workers._session_dir()
+    (folder / "draft.pt").write_bytes(b"weights" * 1000)
+    print(folder, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_leftovers_of_a_killed_pearl_start_are_swept_by_the_next_run(shm, request):
+    import signal
+
+    from specstop.decode import pearl_workers
+
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_DURING_START, str(shm)], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    killed = Path(proc.stdout.readline().strip())
+    os.kill(proc.pid, signal.SIGKILL)  # nothing in the process can clean up
+    proc.wait(timeout=30)
+    request.addfinalizer(lambda: __import__("shutil").rmtree(killed, ignore_errors=True))
+    assert (killed / "draft.pt").is_file()
+    live = pearl_workers._session_dir()  # this (live) process's own folder: kept
+    assert not killed.exists()  # swept by the next run's start
+    assert live.is_dir()
+    ns = pearl_workers._pid_namespace()
+    assert live.name.startswith(f"specstop-pearl-{os.getpid()}-{ns}-")
+    other_ns = shm / f"specstop-pearl-{proc.pid}-{ns + 1}-abc"  # another pid namespace: its pids are not ours
+    other_ns.mkdir()
+    foreign = shm / "specstop-pearl-notes"  # not a session folder name
+    foreign.mkdir()
+    fresh = pearl_workers._session_dir()
+    assert live.is_dir() and other_ns.is_dir() and foreign.is_dir() and fresh.is_dir()
+
+
+def test_pipeline_passes_calibrate_settings_through(tmp_path):
+    from specstop.measure.calibrate_cli import CalibrateOptions
+    from specstop.measure.calibrate_cli import command as calibrate_command
+    from specstop.pipeline.cli import command
+    from specstop.pipeline.run import calibrate_argv
+
+    yaml_file = tmp_path / "p.yaml"
+    yaml_file.write_text("pair: x\ncalibrate: {no_pearl_split: true, batch_grid: '1,2,4'}\n")
+    cfg, _ = command().parse(["--config", str(yaml_file)])
+    assert isinstance(cfg.calibrate, CalibrateOptions)
+    argv = calibrate_argv(cfg, tmp_path / "cost.json", tmp_path / "data")
+    assert argv[0] == "calibrate-cost"
+    args, _ = calibrate_command().parse(argv[1:])
+    assert args.no_pearl_split is True and args.batch_grid == "1,2,4"
+    assert args.budget == cfg.calibrate_budget and args.out == str(tmp_path / "cost.json")
+    # the defaults add nothing (an earlier run's calibrate stage is not redone)
+    yaml_file.write_text("pair: x\n")
+    cfg, _ = command().parse(["--config", str(yaml_file)])
+    assert cfg.stage_args("calibrate") == []
+    yaml_file.write_text("pair: x\ncalibrate: {out: elsewhere.json}\n")
+    with pytest.raises(Exception, match="unknown config key 'calibrate.out'"):
+        command().parse(["--config", str(yaml_file)])

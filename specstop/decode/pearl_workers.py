@@ -7,7 +7,9 @@ rows (sampling) through a shared-memory buffer per worker, so a 150k-token vocab
 each phase. Each model reaches its worker as a ``torch.save`` file in a private temporary folder
 (under ``/dev/shm`` where it exists), loaded with ``mmap=True``: the worker's weights are the file's
 pages, not a copy. Every file is deleted as soon as the workers have mapped it, so nothing is left
-behind even if the parent is killed later; :meth:`PearlWorkers.close` (also on errors, Ctrl-C and
+behind even if the parent is killed later (a SIGKILL while they start leaves its folder, named by
+pid and pid namespace, which the next run's start removes: :func:`sweep_leftovers`; a folder too
+small for both models is refused in one line first: :func:`check_shm_space`); :meth:`PearlWorkers.close` (also on errors, Ctrl-C and
 SIGTERM) ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole
 process group, and the parent, not each child, decides how to shut down - and exit on their own when
 the parent's end of the pipe closes or the parent dies (a watchdog thread in each worker notices the
@@ -23,8 +25,10 @@ goes to a second GPU when there is one (moved back on close).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -39,8 +43,11 @@ from pathlib import Path
 import torch
 
 from specstop.decode.pearl_server import ModelServer
+from specstop.errors import UserError
 
-__all__ = ["PearlWorkers", "WorkerError"]
+__all__ = ["PearlWorkers", "WorkerError", "check_room_for", "check_shm_space", "sweep_leftovers"]
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a model file and importing torch/transformers in a fresh process
 _POLL_S = 0.5
@@ -356,10 +363,116 @@ class _ThreadWorker:
 
 
 # ---------------------------------------------------------------------------------- the pair
-def _session_dir() -> Path:
-    """A private folder for model files and row buffers (tmpfs where there is one)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=f"specstop-pearl-{os.getpid()}-", dir=base))
+SHM_DIR = "/dev/shm"
+_SESSION_PREFIX = "specstop-pearl-"
+_SESSION_NAME = re.compile(rf"{_SESSION_PREFIX}(\d+)-(\d+)-[A-Za-z0-9_]+")
+_MB = 1 << 20
+SHM_MARGIN_BYTES = 16 * _MB  # plus 2%: pickle framing, the row buffers, whatever shares the folder meanwhile
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (a pid means something only inside its own); 0 where unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _owner_running(pid: int, since: float) -> bool:
+    """Is ``pid`` the live process that made a folder last changed at ``since`` (not a reused pid)?"""
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time() <= since + 1.0
+    except Exception:  # noqa: BLE001 - no such process (or no psutil: only this check is lost)
+        return False
+
+
+def sweep_leftovers(base: str | Path) -> list[str]:
+    """Remove the session folders of PEARL runs whose process is gone.
+
+    The model files live only until the workers map them; a run killed with SIGKILL while they
+    start (nothing in the process can clean up then) leaves them in ``base`` - on ``/dev/shm``,
+    memory - for good. Each folder is named ``specstop-pearl-<pid>-<pid namespace>-<random>``: one
+    of this pid namespace and user whose pid no longer runs (or runs a younger process: a reused
+    pid) is removed. Another namespace's or user's folders are left alone.
+
+    Returns:
+        The names of the folders removed.
+    """
+    removed = []
+    ns, uid = _pid_namespace(), os.getuid()
+    try:
+        entries = list(Path(base).glob(f"{_SESSION_PREFIX}*"))
+    except OSError:
+        return removed
+    for folder in entries:
+        m = _SESSION_NAME.fullmatch(folder.name)
+        if m is None or int(m.group(2)) != ns:
+            continue
+        try:
+            st = folder.stat()
+        except OSError:
+            continue
+        if st.st_uid != uid or not folder.is_dir() or _owner_running(int(m.group(1)), st.st_mtime):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder.name)
+    if removed:
+        log.info("removed %d PEARL folder(s) of runs that were killed: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def check_shm_space(base: str | Path, need_bytes: int) -> None:
+    """Refuse to share ``need_bytes`` through ``base`` when it has less room than that (a container's
+    ``/dev/shm`` is 64 MB by default; torch would fail half way with a bus error or a raw error).
+
+    Raises:
+        UserError: naming what PEARL needs, what is free and the fixes.
+    """
+    try:
+        free = shutil.disk_usage(base).free
+    except OSError:
+        return
+    need = need_bytes + need_bytes // 50 + SHM_MARGIN_BYTES
+    if need <= free:
+        return
+    size = -(-need // (256 * _MB)) * 256  # rounded up to 256 MB
+    raise UserError(
+        f"PEARL shares both models' weights with its worker processes through {base}: it needs about "
+        f"{-(-need // _MB)} MB there but {base} has {free // _MB} MB free; give it more room (a container: "
+        f"docker run --shm-size={size}m ...), or skip PEARL's worker processes: calibrate-cost --no-pearl-split "
+        "(a pipeline: calibrate: {no_pearl_split: true}), or decode with a chain or tree --policy instead of pearl"
+    )
+
+
+def _weights_bytes(*models) -> int:
+    """Bytes of the models' parameters and buffers (what their ``torch.save`` files hold)."""
+    total = 0
+    for model in models:
+        for t in (*model.parameters(), *model.buffers()):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _shared_base() -> str:
+    """Where PEARL's session folders go: ``/dev/shm`` where it exists, else the temporary folder."""
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
+
+
+def check_room_for(pair) -> None:
+    """Refuse now (before minutes of other work) when the pair's weights would not fit where PEARL's
+    worker processes share them (:func:`check_shm_space`)."""
+    check_shm_space(_shared_base(), _weights_bytes(pair.draft, pair.target))
+
+
+def _session_dir(need_bytes: int = 0) -> Path:
+    """A private folder for model files and row buffers (tmpfs where there is one), after sweeping
+    the leftovers of killed runs and checking that ``need_bytes`` fit."""
+    base = _shared_base()
+    sweep_leftovers(base)
+    check_shm_space(base, need_bytes)
+    return Path(tempfile.mkdtemp(prefix=f"{_SESSION_PREFIX}{os.getpid()}-{_pid_namespace()}-", dir=base))
 
 
 _CAPTURE_HOOKS = "transformers.utils.output_capturing"  # where transformers defines its capture hooks
@@ -489,8 +602,9 @@ class PearlWorkers:
 
             self.cores = split_cores(None)
         ctx = torch.multiprocessing.get_context("spawn")
+        need = _weights_bytes(self.pair.draft, self.pair.target)
         with _sigterm_deferred():  # the folder is recorded before anything can interrupt
-            folder = self._folder[0] = _session_dir()
+            folder = self._folder[0] = _session_dir(need)
         started = []
         for name, model, cores in (("draft", self.pair.draft, self.cores[0]), ("target", self.pair.target, self.cores[1])):
             path = folder / f"{name}.pt"
@@ -521,7 +635,7 @@ class PearlWorkers:
         if self.backend != "processes" or n_rows <= self._rows:
             return
         with _sigterm_deferred():  # the folder is recorded before anything can interrupt
-            folder = self._folder[0] = self._folder[0] or _session_dir()
+            folder = self._folder[0] = self._folder[0] or _session_dir(2 * n_rows * self.vocab_size * 4)
         try:
             for w in (self.draft, self.target):
                 path = folder / f"{w.name}.rows"

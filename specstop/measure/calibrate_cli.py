@@ -24,22 +24,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class CalibrateSettings(PairSettings):
-    """What `specstop calibrate-cost` measures, at which context, for how long."""
+class CalibrateOptions:
+    """What `specstop calibrate-cost` measures (the part a pipeline's ``calibrate:`` mapping may set)."""
 
-    data: str | None = setting(None, flags=("--data",))
-    """A specstop dataset: measure at its decoding context length (prompt + half a response)."""
-    prompts: str | None = setting(None, flags=("--prompts",))
-    """Text file (one prompt per line) or JSONL with a 'prompt'/'text' field; null = built-in prompts."""
     context_tokens: int | None = setting(None, flags=("--context-tokens",))
     """KV cache length to measure at; null = from --data, else 256."""
-    budget: float = setting(60.0, flags=("--budget",))
-    """Seconds of measuring (at least 3 rounds are always taken)."""
     k_grid: str = setting(",".join(map(str, K_GRID)), flags=("--k-grid",))
     """Drafted lengths K to time (comma-separated)."""
-    checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
-                                    repeatable=True)
-    """Also time this stopping predictor's per-step decision (repeatable)."""
     no_tree: bool = setting(False, flags=("--no-tree",), negatable=False)
     """Skip timing token-tree verification (N tree nodes in one target forward) and draft frontiers
     of W nodes (the cost model's 'tree' section; tree rounds are then priced from the K table)."""
@@ -48,7 +39,23 @@ class CalibrateSettings(PairSettings):
     'batch' section, which `specstop tune` turns into a schedule per batch size); off by default."""
     no_pearl_split: bool = setting(False, flags=("--no-pearl-split",), negatable=False)
     """Skip timing PEARL's core split (each model on its share of the cores, beside the other; the
-    replay then prices PEARL with perfect overlap)."""
+    replay then prices PEARL with perfect overlap). The split shares both models' weights through
+    /dev/shm, so a machine with a small /dev/shm (a container's 64 MB) needs this."""
+
+
+@dataclass
+class CalibrateSettings(CalibrateOptions, PairSettings):
+    """What `specstop calibrate-cost` measures, at which context, for how long."""
+
+    data: str | None = setting(None, flags=("--data",))
+    """A specstop dataset: measure at its decoding context length (prompt + half a response)."""
+    prompts: str | None = setting(None, flags=("--prompts",))
+    """Text file (one prompt per line) or JSONL with a 'prompt'/'text' field; null = built-in prompts."""
+    budget: float = setting(60.0, flags=("--budget",))
+    """Seconds of measuring (at least 3 rounds are always taken)."""
+    checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
+                                    repeatable=True)
+    """Also time this stopping predictor's per-step decision (repeatable)."""
     out: str = setting("cost.json", flags=("--out",))
     """Cost model JSON to write (a plot goes beside it)."""
     no_plot: bool = setting(False, flags=("--no-plot",), negatable=False)
@@ -105,6 +112,12 @@ def run(args: CalibrateSettings) -> int:
 
     check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "
                f"verify block of K = {max(k_grid)} + 1", "lower --context-tokens (or --k-grid)")
+    from specstop.decode.pearl_spec import available_cores
+
+    if not args.no_pearl_split and pair.target_device.type == "cpu" and len(available_cores()) >= 2:
+        from specstop.decode.pearl_workers import check_room_for
+
+        check_room_for(pair)  # the split shares both models through /dev/shm: refused now, not after the timing
     if args.data:
         context, n_ctx = context_from_data(args.data)
     else:

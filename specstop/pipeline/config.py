@@ -12,6 +12,7 @@ from specstop.config_io import check_range, check_type, dataclass_from_dict, rea
 from specstop.errors import UserError
 from specstop.eval.eval_cli import EvalOptions
 from specstop.eval.tune_cli import TuneOptions
+from specstop.measure.calibrate_cli import CalibrateOptions
 from specstop.names import check_plain_name
 from specstop.pair.settings import PairSettings
 
@@ -73,6 +74,10 @@ class PipelineConfig(PairSettings):
     to a cost.json, or a preset name (reports then say in their first line that it is not this machine)."""
     calibrate_budget: float = 60.0
     """Seconds of measuring for calibrate."""
+    calibrate: CalibrateOptions = field(default_factory=CalibrateOptions)
+    """What `specstop calibrate-cost` measures (cost_model: calibrate): no_pearl_split (a small
+    /dev/shm), batch_grid (a batch schedule in the tuned file and the engine settings), k_grid,
+    no_tree, context_tokens."""
     force_cost: bool = False
     """Price with a measured cost table even when it fails its check (erratic or unordered K;
     specstop.eval.cost_check); otherwise tune refuses it."""
@@ -104,13 +109,14 @@ class PipelineConfig(PairSettings):
         self.eval_args = [str(a) for a in self.eval_args]
 
     def stage_args(self, stage: str) -> list[str]:
-        """The extra arguments of the ``tune`` or ``eval`` stage: its section's settings that differ
-        from the command's defaults, then the older ``*_args`` list (an old config's argv is unchanged)."""
+        """The extra arguments of the ``tune``, ``eval`` or ``calibrate`` stage: its section's settings
+        that differ from the command's defaults, then the older ``*_args`` list (an old config's argv
+        is unchanged)."""
         section = getattr(self, stage)
         defaults = type(section)()
         changed = {f.name: getattr(section, f.name) for f in fields(section)
                    if getattr(section, f.name) != getattr(defaults, f.name)}
-        return [*settings_flags(changed), *getattr(self, f"{stage}_args")]
+        return [*settings_flags(changed), *getattr(self, f"{stage}_args", [])]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineConfig:
@@ -145,6 +151,11 @@ class PipelineConfig(PairSettings):
         check_range("online_budget", self.online_budget, low=0, low_open=True)
         check_range("tune.repeats", self.tune.repeats, low=1)
         check_range("eval.mc_repeats", self.eval.mc_repeats, low=1)
+        check_range("calibrate.context_tokens", self.calibrate.context_tokens, low=1)
+        if self.calibrate.batch_grid is not None:
+            from specstop.measure.batch_cost import parse_batch_grid
+
+            parse_batch_grid(self.calibrate.batch_grid)
         check_dtype_name(self.dtype)
         seen = set()
         for fam in self.families:

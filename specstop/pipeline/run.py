@@ -144,14 +144,13 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     if cfg.cost_model == "calibrate":
         # Measured where decoding runs: same pair, dtype and device, the evaluation data's context length.
         cost_path = run_dir / "cost.json"
+        options = cfg.stage_args("calibrate")
         runner.run(
             "calibrate",
             {"pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype, "device": cfg.device,
-             "budget": cfg.calibrate_budget},
+             "budget": cfg.calibrate_budget, **({"options": options} if options else {})},
             ["fetch", "data", "test_data"],
-            lambda: (_cli(["calibrate-cost", *_pair_args(cfg), "--dtype", cfg.dtype, "--out", str(cost_path),
-                           "--data", str(eval_data), "--budget", str(cfg.calibrate_budget),
-                           *(["--device", cfg.device] if cfg.device else [])]) or {"cost": str(cost_path)}),
+            lambda: (_cli(calibrate_argv(cfg, cost_path, eval_data)) or {"cost": str(cost_path)}),
             # A table that failed its check is measured again on a rerun (unless it is to be used anyway).
             outputs_exist=lambda o: Path(o.get("cost", "")).is_file() and (cfg.force_cost or _cost_passes(o["cost"])),
         )
@@ -217,6 +216,14 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
 
     summary = write_run_report(cfg, runner, eval_dir, online_path, export_dir, train_metrics, time.perf_counter() - t_start)
     return summary
+
+
+def calibrate_argv(cfg: PipelineConfig, cost_path: Path, eval_data: Path) -> list[str]:
+    """The calibrate stage's command: this pair, dtype and device at the evaluation data's context,
+    for ``calibrate_budget`` seconds, with the ``calibrate:`` section's settings."""
+    return ["calibrate-cost", *_pair_args(cfg), "--dtype", cfg.dtype, "--out", str(cost_path),
+            "--data", str(eval_data), "--budget", str(cfg.calibrate_budget),
+            *(["--device", cfg.device] if cfg.device else []), *cfg.stage_args("calibrate")]
 
 
 def _cost_passes(path: str) -> bool:
