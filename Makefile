@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-all lint info check-core-install
+.PHONY: setup quickstart test test-all lint info check-core-install gpu-check gpu-wheels
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -26,3 +26,17 @@ check-core-install: setup
 
 lint: setup
 	$(VENV)/bin/ruff check specstop tests benchmarks
+
+## Every CUDA path end to end at small scale, one table (scripts/gpu_check.py). On a GPU machine it
+## uses that machine's own Python, torch and transformers, plus the wheels from `make gpu-wheels`.
+## DEVICE=cpu runs the same rows on CPU with the tiny pair (CI does), skipping those that need CUDA.
+DEVICE ?= cuda
+gpu-check: $(if $(filter cpu,$(DEVICE)),setup)
+	DEVICE=$(DEVICE) SPECSTOP_VENV=$(VENV) bash scripts/gpu_check.sh
+
+## Downloads, here, the Python 3.12 wheels a CUDA image lacks (scripts/gpu_wheels.txt) into .whl/.
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r scripts/gpu_wheels.txt
+	@du -sh .whl

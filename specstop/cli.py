@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[cmd_index]
     rest = [a for a in argv[cmd_index + 1 :] if a not in ("-v", "--verbose")]
     try:
+        from specstop.pair.compat import check_supported_versions
+
+        check_supported_versions()  # one line naming the releases needed, before any traceback from them
         return run_command(name, rest)
     except KeyboardInterrupt:
         print(f"specstop {name}: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)

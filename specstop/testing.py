@@ -8,6 +8,7 @@ to be interesting (a pair of independent random models almost never agrees).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,6 +127,88 @@ def tiny_pair(seed: int = 0, **kwargs):
 
     draft, target, tok = tiny_pair_models(seed=seed, **kwargs)
     return pair_from_models(draft, target, tok, draft_name="tiny-draft", target_name="tiny-target", name="tiny")
+
+
+class _NumberTokenizer:
+    """Decodes ids as numbers; no EOS, so every sampled run has the same length."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@dataclass
+class SmallVocabPair:
+    """A 5-token pair for sampling checks: ``pair`` (a ModelPair), the ``prompt`` ids, the ``decoding``
+    (T = 1) and the shared ``vocab`` size."""
+
+    pair: object
+    prompt: list[int]
+    decoding: object
+    vocab: int
+
+
+def small_vocab_pair(device: str | None = None, vocab: int = 5) -> SmallVocabPair:
+    """A pair over ``vocab`` tokens whose draft differs noticeably from the target (TV around 0.2-0.4).
+
+    Small enough that the exact distribution of the first two tokens has ``vocab ** 2`` cells, so a
+    few hundred sampled decodes test losslessness by chi-square (:func:`pooled_chi_square`).
+    """
+    from specstop.pair.loader import ModelPair
+    from specstop.probs import DecodingConfig
+
+    target = tiny_causal_lm(vocab, seed=5, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
+    draft = tiny_causal_lm(vocab, seed=6, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
+    sd = {k: v + 0.5 * v.std() * torch.randn_like(v) if v.numel() > 1 else v for k, v in target.state_dict().items()}
+    draft.load_state_dict(sd)
+    for m in (draft, target):
+        m.generation_config.eos_token_id = None
+        m.requires_grad_(False)
+        if device is not None:
+            m.to(device)
+    pair = ModelPair(draft, target, _NumberTokenizer(), None, None, "stub", vocab, name="small")
+    return SmallVocabPair(pair, [1, 3, 2], DecodingConfig(temperature=1.0), vocab)
+
+
+@torch.no_grad()
+def next_token_probs(model, ids: list[int], decoding, vocab: int) -> torch.Tensor:
+    """``[len(ids), vocab]`` next-token distributions of ``model`` after each prefix of ``ids`` (on CPU)."""
+    device = model.get_input_embeddings().weight.device
+    from specstop.probs import logits_to_probs
+
+    return logits_to_probs(model(torch.tensor([ids], device=device)).logits[0], decoding, vocab).cpu()
+
+
+def two_token_distribution(target, prompt: list[int], decoding, vocab: int) -> dict[tuple[int, int], float]:
+    """The target's exact probability of each first-two-token continuation of ``prompt``."""
+    p1 = next_token_probs(target, prompt, decoding, vocab)[-1]
+    exact = {}
+    for a in range(vocab):
+        p2 = next_token_probs(target, prompt + [a], decoding, vocab)[-1]
+        for b in range(vocab):
+            exact[(a, b)] = float(p1[a] * p2[b])
+    return exact
+
+
+def pooled_chi_square(counts: dict, exact: dict, runs: int, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson's chi-square of observed ``counts`` against ``exact`` probabilities over ``runs`` draws.
+
+    Cells are pooled in order of rising probability until each pool expects ``min_expected`` draws,
+    so the chi-square approximation holds. Returns ``(statistic, degrees of freedom, p-value)``.
+    """
+    from scipy.stats import chi2
+
+    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for cell in sorted(exact, key=exact.get):
+        pool_obs += counts.get(cell, 0)
+        pool_exp += exact[cell] * runs
+        if pool_exp >= min_expected:
+            stat += (pool_obs - pool_exp) ** 2 / pool_exp
+            df += 1
+            pool_obs, pool_exp = 0, 0.0
+    df = max(df, 1)
+    return stat, df, float(chi2.sf(stat, df))
 
 
 # --------------------------------------------------------------------------------------------

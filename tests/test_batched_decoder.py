@@ -13,6 +13,7 @@ from specstop.decode import batched as batched_mod
 from specstop.decode.chain import SpeculativeDecoder
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
+from specstop.testing import pooled_chi_square, two_token_distribution
 
 # ``references`` (the target's own greedy output per prompt) resolves ``prompts`` below: these four.
 references, MAX_NEW = chain_tests.references, chain_tests.MAX_NEW  # `pair`: tests/conftest.py
@@ -103,35 +104,12 @@ def test_bad_input_is_a_user_error(pair):
         dec.generate([[1, 2]], 0)
 
 
-def _chi_square_pvalue(counts: dict, exact: dict, runs: int) -> float:
-    """Pearson's statistic with cells pooled (smallest first) until each expects >= 5 draws."""
-    from scipy.stats import chi2
-
-    stat, df, obs, exp = 0.0, -1, 0, 0.0
-    for cell in sorted(exact, key=exact.get):
-        obs += counts.get(cell, 0)
-        exp += exact[cell] * runs
-        if exp >= 5:
-            stat += (obs - exp) ** 2 / exp
-            df += 1
-            obs, exp = 0, 0.0
-    return float(chi2.sf(stat, df))
-
-
 @pytest.mark.parametrize("policy", ["static:3", "confidence:0.5"])
 def test_sampled_rows_follow_the_target(policy, small_pair):
     """Each row's first two tokens follow the target's distribution for its own prompt."""
     other = [4, 0]
     batch = [PROMPT, other, PROMPT]
-    exact = {}
-    for ids in (PROMPT, other):
-        p1 = sampling_tests._probs(small_pair.target, ids)[-1]
-        cells = {}
-        for a in range(VOCAB):
-            p2 = sampling_tests._probs(small_pair.target, ids + [a])[-1]
-            for b in range(VOCAB):
-                cells[(a, b)] = float(p1[a] * p2[b])
-        exact[tuple(ids)] = cells
+    exact = {tuple(ids): two_token_distribution(small_pair.target, ids, DECODING, VOCAB) for ids in (PROMPT, other)}
     runs = 400
     counts = {tuple(ids): {} for ids in (PROMPT, other)}
     dec = BatchedSpeculativeDecoder(small_pair, policy, DECODING)
@@ -144,5 +122,5 @@ def test_sampled_rows_follow_the_target(policy, small_pair):
         rejections += sum(n < k for row in range(3) for k, n in zip(res.round_lengths[row], res.accepted_per_round[row]))
     assert rejections > runs * 0.2, "the draft must be rejected often for the test to mean anything"
     for ids, cells in exact.items():
-        pvalue = _chi_square_pvalue(counts[ids], cells, runs)
+        pvalue = pooled_chi_square(counts[ids], cells, runs)[2]
         assert pvalue > 1e-3, f"{policy}, prompt {ids}: chi-square p={pvalue:.2g}: not the target's distribution"

@@ -10,49 +10,26 @@ from _export_fixtures import single_thread  # noqa: F401
 
 from specstop.decode.chain import SpeculativeDecoder
 from specstop.export.runtime import StoppingPolicy
-from specstop.pair.loader import ModelPair
-from specstop.probs import DecodingConfig, logits_to_probs, tv_distance
-from specstop.testing import tiny_causal_lm
+from specstop.probs import DecodingConfig, tv_distance
+from specstop.testing import next_token_probs, pooled_chi_square, small_vocab_pair, two_token_distribution
 
 VOCAB = 5
 PROMPT = [1, 3, 2]
 DECODING = DecodingConfig(temperature=1.0)
 
 
-class _StubTokenizer:
-    eos_token_id = None  # no EOS: every run has the same length
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 @pytest.fixture(scope="module")
 def small_pair():
     """A 5-token pair whose draft differs noticeably from the target (TV around 0.2-0.4)."""
-    target = tiny_causal_lm(VOCAB, seed=5, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
-    draft = tiny_causal_lm(VOCAB, seed=6, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
-    sd = {k: v + 0.5 * v.std() * torch.randn_like(v) if v.numel() > 1 else v for k, v in target.state_dict().items()}
-    draft.load_state_dict(sd)
-    for m in (draft, target):
-        m.generation_config.eos_token_id = None
-        m.requires_grad_(False)
-    return ModelPair(draft, target, _StubTokenizer(), None, None, "stub", VOCAB, name="small")
+    return small_vocab_pair(vocab=VOCAB).pair
 
 
-@torch.no_grad()
 def _probs(model, ids):
-    return logits_to_probs(model(torch.tensor([ids])).logits[0], DECODING, VOCAB)
+    return next_token_probs(model, ids, DECODING, VOCAB)
 
 
 def test_first_two_tokens_follow_the_target(small_pair):
-    from scipy.stats import chi2
-
-    p1 = _probs(small_pair.target, PROMPT)[-1]
-    exact = {}
-    for a in range(VOCAB):
-        p2 = _probs(small_pair.target, PROMPT + [a])[-1]
-        for b in range(VOCAB):
-            exact[(a, b)] = float(p1[a] * p2[b])
+    exact = two_token_distribution(small_pair.target, PROMPT, DECODING, VOCAB)
     runs = 1000
     counts = dict.fromkeys(exact, 0)
     dec = SpeculativeDecoder(small_pair, StoppingPolicy.from_string("static:4"), DECODING)
@@ -63,15 +40,7 @@ def test_first_two_tokens_follow_the_target(small_pair):
         rejections += sum(n < k for k, n in zip(res.round_lengths, res.accepted_per_round))
     assert rejections > runs * 0.2, "the draft must be rejected often for the test to mean anything"
     # Pool cells with small expectations so the chi-square approximation holds.
-    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell in sorted(exact, key=exact.get):
-        pool_obs += counts[cell]
-        pool_exp += exact[cell] * runs
-        if pool_exp >= 5:
-            stat += (pool_obs - pool_exp) ** 2 / pool_exp
-            df += 1
-            pool_obs, pool_exp = 0, 0.0
-    pvalue = chi2.sf(stat, df)
+    stat, df, pvalue = pooled_chi_square(counts, exact, runs)
     assert pvalue > 1e-3, f"chi-square {stat:.1f} on {df} df (p={pvalue:.2g}): output is not the target's distribution"
 
 

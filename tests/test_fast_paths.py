@@ -1,11 +1,11 @@
-"""The output-head contiguity fix and the ``dtype: auto`` choice."""
+"""The output-head contiguity fix, cuDNN attention on CUDA and the ``dtype: auto`` choice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specstop.pair import dtype_choice, dtype_timing
+from specstop.pair import dtype_choice, dtype_timing, fast_paths
 from specstop.pair.fast_paths import _dense, contiguous_output_head
 from specstop.testing import tiny_causal_lm
 
@@ -177,3 +177,27 @@ def test_measure_single_row_reports_both_kernels():
 
     m = measure_single_row(torch.bfloat16, reps=2)
     assert m["linear_ms"] > 0 and m["mv_ms"] > 0 and m["mv_gain"] == pytest.approx(m["linear_ms"] / m["mv_ms"])
+
+
+class _OnDevice:
+    """A stand-in model whose embedding weight sits on ``device`` (no CUDA needed)."""
+
+    def __init__(self, device: str) -> None:
+        self.weight = type("W", (), {"device": torch.device(device)})()
+
+    def get_input_embeddings(self):
+        return self
+
+
+@pytest.mark.parametrize("device, env, turned_off", [("cuda", None, True), ("cpu", None, False), ("cuda", "1", False)])
+def test_cudnn_attention_is_turned_off_for_cuda_models(device, env, turned_off, monkeypatch):
+    """cuDNN attention builds a plan per new sequence length: off for CUDA pairs, unless kept explicitly."""
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    if env is None:
+        monkeypatch.delenv("SPECSTOP_CUDNN_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("SPECSTOP_CUDNN_ATTENTION", env)
+    assert fast_paths.avoid_cudnn_attention(_OnDevice(device)) is turned_off
+    assert calls == ([False] if turned_off else [])

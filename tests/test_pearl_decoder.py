@@ -29,7 +29,7 @@ from specstop.decode.pearl_spec import split_cores
 from specstop.decode.pearl_timing import time_split
 from specstop.errors import UserError
 from specstop.policy import PolicySpec
-from specstop.probs import logits_to_probs
+from specstop.testing import pooled_chi_square, two_token_distribution
 
 # The chain decoder's fixtures: the same tiny pairs, prompts and target references.
 # `pair` and `exports` (random-init disco_ffn and specdecpp_resnet): tests/conftest.py
@@ -226,18 +226,7 @@ def test_cuda_streams_equal_target(prompts):
     ids=lambda v: v.label if isinstance(v, PearlSpec) else str(v),
 )
 def test_sampled_pearl_follows_the_target(spec, max_new, small_pair, sampling_workers):
-    from scipy.stats import chi2
-
-    @torch.no_grad()
-    def probs(ids):
-        return logits_to_probs(small_pair.target(torch.tensor([ids])).logits[0], DECODING, VOCAB)
-
-    p1 = probs(PROMPT)[-1]
-    exact = {}
-    for a in range(VOCAB):
-        p2 = probs(PROMPT + [a])[-1]
-        for b in range(VOCAB):
-            exact[(a, b)] = float(p1[a] * p2[b])
+    exact = two_token_distribution(small_pair.target, PROMPT, DECODING, VOCAB)
     runs = 500
     counts = dict.fromkeys(exact, 0)
     dec = PearlDecoder(small_pair, spec, DECODING, workers=sampling_workers).start()
@@ -249,15 +238,7 @@ def test_sampled_pearl_follows_the_target(spec, max_new, small_pair, sampling_wo
         stopped += res.counters["stopped_windows"]
     assert rejections > runs * 0.2, "the draft must be rejected often for the test to mean anything"
     assert (stopped > runs * 0.1) == (spec.stop is not None), "the stopping policy must end windows early"
-    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell in sorted(exact, key=exact.get):
-        pool_obs += counts[cell]
-        pool_exp += exact[cell] * runs
-        if pool_exp >= 5:
-            stat += (pool_obs - pool_exp) ** 2 / pool_exp
-            df += 1
-            pool_obs, pool_exp = 0, 0.0
-    pvalue = chi2.sf(stat, df)
+    stat, df, pvalue = pooled_chi_square(counts, exact, runs)
     assert pvalue > 1e-3, f"{spec.label}: chi-square {stat:.1f} on {df} df (p={pvalue:.2g}): not the target's distribution"
 
 

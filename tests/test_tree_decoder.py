@@ -19,8 +19,8 @@ from specstop.decode.tree_cache import TreeLM
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
-from specstop.probs import DecodingConfig, logits_to_probs
-from specstop.testing import tiny_causal_lm
+from specstop.probs import DecodingConfig
+from specstop.testing import pooled_chi_square, tiny_causal_lm, two_token_distribution
 from specstop.tree_policy import DynamicTreeShape, StaticTreeShape
 
 # The chain decoder's fixtures and constants: the same tiny pairs, prompts and target references.
@@ -225,18 +225,7 @@ def test_grown_trees_respect_shape_and_order(pair):
 # ---------------------------------------------------------------- sampling
 @pytest.mark.parametrize("spec", ["mcsd:3,2", "tree:6,3"])
 def test_sampled_tree_follows_the_target(spec, small_pair):
-    from scipy.stats import chi2
-
-    @torch.no_grad()
-    def probs(ids):
-        return logits_to_probs(small_pair.target(torch.tensor([ids])).logits[0], DECODING, VOCAB)
-
-    p1 = probs(PROMPT)[-1]
-    exact = {}
-    for a in range(VOCAB):
-        p2 = probs(PROMPT + [a])[-1]
-        for b in range(VOCAB):
-            exact[(a, b)] = float(p1[a] * p2[b])
+    exact = two_token_distribution(small_pair.target, PROMPT, DECODING, VOCAB)
     runs = 1000
     counts = dict.fromkeys(exact, 0)
     dec = TreeDecoder(small_pair, parse_tree_policy(spec), DECODING)
@@ -246,15 +235,7 @@ def test_sampled_tree_follows_the_target(spec, small_pair):
         counts[tuple(res.token_ids[:2])] += 1
         later_child += res.counters["N_discarded"] > 0 and res.accepted_per_round[0] > 0
     assert later_child > runs * 0.1, "rejected candidates must be common for the test to mean anything"
-    stat, df, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell in sorted(exact, key=exact.get):
-        pool_obs += counts[cell]
-        pool_exp += exact[cell] * runs
-        if pool_exp >= 5:
-            stat += (pool_obs - pool_exp) ** 2 / pool_exp
-            df += 1
-            pool_obs, pool_exp = 0, 0.0
-    pvalue = chi2.sf(stat, df)
+    stat, df, pvalue = pooled_chi_square(counts, exact, runs)
     assert pvalue > 1e-3, f"{spec}: chi-square {stat:.1f} on {df} df (p={pvalue:.2g}): not the target's distribution"
 
 

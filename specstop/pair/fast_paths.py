@@ -30,6 +30,16 @@ forces either.
 Numerically the two kernels round differently (bf16 logits moved by up to 0.15 in a check), which
 only matters at near-ties - the same class of difference bf16 already has between single-token
 steps and batched verification.
+
+cuDNN attention at a new sequence length (CUDA). PyTorch may dispatch ``scaled_dot_product_attention``
+to cuDNN on Hopper GPUs, and cuDNN builds an execution plan for every new shape. Decoding grows the
+KV cache by one or a few tokens per step, so nearly every step meets a new key length and pays a plan
+build. Measured on an H100 (torch 2.11, cu130) with a random-init model of the reference target's
+shape (1.5B, bf16), target-only decoding steps at fresh lengths took 0.060-0.071 s each with the
+default backends, 0.024-0.026 s with flash / memory-efficient attention, and 0.022-0.025 s with the
+default backends at lengths already seen; a cost table, timed at one fixed length, priced the decoder
+1.2-1.9x too cheap. :func:`avoid_cudnn_attention` turns cuDNN attention off when a model of the pair
+is on CUDA (PyTorch's switch is process-wide); ``SPECSTOP_CUDNN_ATTENTION=1`` keeps it.
 """
 
 from __future__ import annotations
@@ -181,7 +191,25 @@ def single_row_matvec(model) -> int:
     return n
 
 
+def avoid_cudnn_attention(model) -> bool:
+    """Turn cuDNN attention off (process-wide) when ``model`` is on CUDA; True when it did.
+
+    Flash and memory-efficient attention, the backends left, need no per-shape plan (see above).
+    """
+    if os.environ.get("SPECSTOP_CUDNN_ATTENTION", "").strip() == "1":
+        return False
+    if model.get_input_embeddings().weight.device.type != "cuda":
+        return False
+    backends = torch.backends.cuda
+    if not hasattr(backends, "enable_cudnn_sdp") or not backends.cudnn_sdp_enabled():
+        return False
+    backends.enable_cudnn_sdp(False)
+    log.info("cuDNN attention off for decoding (a plan per new sequence length; SPECSTOP_CUDNN_ATTENTION=1 keeps it)")
+    return True
+
+
 def install_fast_paths(model) -> None:
     """Every fix above that applies to ``model`` (what the pair loader calls)."""
     contiguous_output_head(model)
     single_row_matvec(model)
+    avoid_cudnn_attention(model)

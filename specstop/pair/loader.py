@@ -336,6 +336,9 @@ def pair_from_models(
     ``draft_path``/``target_path``: the folders the weights were read from (for the weights
     fingerprint; default: the names when they are folders, else the tensors in memory).
     """
+    from specstop.pair.compat import check_supported_versions
+
+    check_supported_versions()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
