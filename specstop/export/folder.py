@@ -165,7 +165,8 @@ def model_card(config: dict) -> str:
     if config.get("tree"):
         tree = config["tree"]
         lines += [f"| token tree | `{tree['policy']}`{' steered by a node head' if tree.get('node_head') else ''} "
-                  "(`specstop decode --policy DIR` runs the tree decoder; `policy` is the chain fallback) |"]
+                  "(`specstop decode --pair PAIR --policy DIR --prompt TEXT` runs the tree decoder; `policy` is the chain "
+                  "fallback) |"]
     if pred:
         lines += [
             f"| family | `{pred['family']}` ({pred['num_parameters']} parameters, label `{pred['label']}`) |",
@@ -188,7 +189,7 @@ def model_card(config: dict) -> str:
         "In your own decoding loop:",
         "",
         "```python",
-        "from specstop.export.runtime import StoppingPolicy",
+        "from specstop import StoppingPolicy",
         "policy = StoppingPolicy.from_pretrained(REPO_OR_DIR, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash)",
         "policy.start_sequence()            # each new sequence",
         "policy.reset()                     # each round",
@@ -196,8 +197,9 @@ def model_card(config: dict) -> str:
         "policy.end_round(num_drafted, num_accepted)",
         "```",
         "",
-        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`. `specstop export --for hf|vllm|llamacpp|sglang`",
-        "writes the tuned settings other engines accept.",
+        "or `specstop decode --pair PAIR --policy DIR --prompt TEXT`.",
+        "`specstop export --tuned TUNED --out OUT --for hf,vllm,llamacpp,sglang,trtllm` writes the tuned settings",
+        "other engines accept (TUNED: the tuned.json that specstop tune wrote).",
         "",
         "The runtime imports only torch and safetensors. It refuses a different draft model or tokenizer",
         "(override: `allow_draft_mismatch=True`) and unknown schema versions. Decoding with this policy is",

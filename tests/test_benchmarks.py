@@ -1,0 +1,165 @@
+"""Every script in benchmarks/ answers ``--help`` and finishes a smoke run on the tiny pair or a
+synthetic dataset (seconds each), run as ``python benchmarks/X.py ARGS`` runs it (in this process,
+as ``__main__``). A new script without a smoke run here fails :func:`test_every_benchmark_has_a_smoke_run`.
+The example command lines in each script's docstring parse with its own arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _snippets import REPO, command_argv, parse_script, run_script
+
+BENCH = REPO / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+#: script -> its smoke arguments (``{pair}``, ``{data}``, ``{out}`` and ``{tmp}`` are filled in below).
+SMOKE = {
+    "data_gen_throughput.py": "--pair tiny --n 2 --batch-sizes 1 --max-new-tokens 4 --device cpu --dtype float32",
+    "dataset_stats.py": "{data}",
+    "float32_gemm.py": "--reps 1 --rows 1",
+    "online_speedup.py": "--pair {pair} --prompt hello --policy static:2 --policy mcsd:2,1 --limit 1 --repeats 1 "
+                         "--max-new-tokens 4 --dtype float32 --device cpu --out {out}",
+    "replay_speed.py": "--tokens 2000 --tokens-per-prompt 100",
+    "stopping_headroom.py": "--data {data} --split test --out {tmp}/headroom",
+    "theorem1_check.py": "--pair {pair} --limit 1 --seeds 1 --max-new-tokens 4 --dtype float32 --out {out}",
+    "train_throughput.py": "--rows 256 --hidden-size 16 --batch-size 64 --epochs 1 --device cpu --families disco_ffn "
+                           "--repeats 1 --json {out}",
+    # llama.cpp itself is not installed here: a stand-in server answers its HTTP API (see below).
+    "llamacpp_speculative.py": "--data {data} --split test --limit 2 --settings {tmp}/llamacpp.json "
+                               "--server {tmp}/llama-server --draft-gguf {tmp}/draft.gguf --target-gguf {tmp}/target.gguf "
+                               "--max-new-tokens 4 --repeats 1 --threads 1 --out {out}",
+}
+#: Scripts whose smoke run is a test elsewhere (test file, test name).
+SMOKE_ELSEWHERE = {
+    "batch_throughput.py": ("test_batch_schedule.py", "test_batch_throughput_benchmark_runs"),
+    "stopping_ceiling.py": ("test_stopping_ceiling.py", "test_the_benchmark_writes_feature_aurocs_and_validation_tuned_shapes"),
+}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    missing = [s for s in SCRIPTS if s not in SMOKE and s not in SMOKE_ELSEWHERE]
+    assert not missing, f"benchmarks without a smoke run: {missing} (add one to SMOKE in {Path(__file__).name})"
+    assert not (set(SMOKE) | set(SMOKE_ELSEWHERE)) - set(SCRIPTS), "smoke runs of scripts that are gone"
+    for script, (test_file, test_name) in SMOKE_ELSEWHERE.items():
+        text = (REPO / "tests" / test_file).read_text()
+        assert f"def {test_name}(" in text and script.removesuffix(".py") in text, f"{script}: {test_file}::{test_name}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script, capsys):
+    assert run_script(BENCH / script, ["--help"]) == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+FAKE_LLAMA_SERVER = '''
+"""A stand-in for llama.cpp's llama-server: /health and /completion with the fields the benchmark reads."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+KNOWN = {"-m", "-md", "--host", "--port", "-c", "-t", "-tb", "-td", "-np", "--temp", "--no-webui", "--spec-type",
+         "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"}
+argv = sys.argv[1:]
+unknown = [a for a in argv if a.startswith("-") and a not in KNOWN]
+if unknown:
+    sys.exit(f"error: invalid argument: {unknown[0]}")
+port = int(argv[argv.index("--port") + 1])
+drafts = "-md" in argv
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply({"status": "ok"})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = req["n_predict"]
+        timings = {"predicted_n": n, "predicted_ms": 2.0 * n, "prompt_n": len(req["prompt"]), "prompt_ms": 1.0}
+        if drafts:
+            timings.update(draft_n=n, draft_n_accepted=n // 2)
+        self._reply({"content": "x" * n, "timings": timings})
+
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def _llamacpp_inputs(tmp: Path, pair_dir: Path) -> None:
+    """A stand-in llama-server, two GGUF placeholders, and a llamacpp.json from `specstop export --for llamacpp`."""
+    from _usage_fixtures import usage_fixtures
+
+    from specstop.cli import main
+
+    (tmp / "fake_llama_server.py").write_text(FAKE_LLAMA_SERVER)
+    server = tmp / "llama-server"
+    server.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp / 'fake_llama_server.py'} \"$@\"\n")
+    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    for name in ("draft.gguf", "target.gguf"):
+        (tmp / name).write_bytes(b"GGUF")
+    fx = usage_fixtures(tmp / "fx", pair_dir)
+    assert main(["export", "--tuned", str(fx.tuned), "--out", str(tmp), "--for", "llamacpp"]) == 0
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_smoke_run(script, tiny_pair_dir, synth_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # scripts that write next to their outputs write here
+    old_threads = torch.get_num_threads()
+    if script == "llamacpp_speculative.py":
+        _llamacpp_inputs(tmp_path, tiny_pair_dir)
+    out = tmp_path / "out.json"
+    args = SMOKE[script].format(pair=tiny_pair_dir, data=synth_dir, out=out, tmp=tmp_path).split()
+    try:
+        assert run_script(BENCH / script, args) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    if "{out}" in SMOKE[script]:
+        assert json.loads(out.read_text()), f"{script} wrote nothing to --out"
+    if script == "llamacpp_speculative.py":
+        summary = json.loads(out.read_text())["summary"]
+        assert set(summary) == {"target", "default", "tuned"} and summary["tuned"]["draft_acceptance"] == 0.5
+
+
+def _docstring_commands(script: str) -> list[str]:
+    """``python benchmarks/X.py ...`` lines of a script's docstring, continuations joined (synopses
+    with ``[--flag]`` left out)."""
+    import ast
+
+    lines = (ast.get_docstring(ast.parse((BENCH / script).read_text())) or "").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if not lines[i].strip().startswith("python benchmarks/"):
+            i += 1
+            continue
+        command = lines[i].strip()
+        while command.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            command = command[:-1] + " " + lines[i].strip()
+        out.append(command)
+        i += 1
+    return [c for c in out if "[" not in c]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_docstring_examples_parse(script):
+    for command in _docstring_commands(script):
+        argv = command_argv(command)
+        target = re.sub(r"^benchmarks/", "", argv[1])
+        assert (BENCH / target).is_file(), f"{script}: {command} names a script that is not there"
+        parse_script(BENCH / target, argv[2:])
