@@ -355,6 +355,9 @@ class TypedCommand:
                    if leaf.required and values[leaf.path] is None]
         if missing and not getattr(built, "help", False):
             raise UserError(f"missing {', '.join(missing)}; see {self.prog} --help")
+        from specstop.config_io import check_named_settings
+
+        check_named_settings(values, lambda path: self._typed.get(path, (f"--{path}", None))[0])
         flags = argparse.Namespace(**{k: v for k, v in vars(built).items() if k not in top})
         return settings, flags
 

@@ -52,6 +52,11 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
         raise UserError(f"{p}: not a UTF-8 text file ({err.reason} at byte {err.start}); give a YAML file") from None
     try:
         return load_yaml_text(text, p)
+    except RecursionError:
+        import sys
+
+        raise UserError(f"{p}: YAML nested deeper than {sys.getrecursionlimit()} levels cannot be read; give the "
+                        f"intended {what} file") from None
     except DuplicateKeyError as err:
         raise UserError(
             f"{p}:{err.line}: duplicate {'section' if err.is_section else 'key'} {err.key!r} (first at line "
@@ -293,6 +298,75 @@ def check_range(
         hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
         need = " and ".join(p for p in (lo, hi) if p) or "finite"
         raise UserError(f"{key} must be {need} (and finite), got {value!r}{'; ' + fix if fix else ''}")
+
+
+#: Seeds every command and decoder accepts: torch generators take 64 bits (numpy's any non-negative
+#: integer), and PEARL offsets a seed per worker, so 0 .. 2**63 - 1 always fits.
+MAX_SEED = 2**63 - 1
+#: A sampling temperature is 0 (greedy) or within this range: beyond it the tempered distribution is
+#: one-hot or uniform to float32 precision (and far below it logits / T overflow).
+TEMPERATURE_RANGE = (1e-4, 1e4)
+
+
+def check_seed(seed: Any, key: str = "seed") -> int | None:
+    """``seed`` as an int (None stays None), refused in one line unless it is an integer in
+    0 .. 2**63 - 1 (torch raises an overflow deep inside for more, numpy for negative ones)."""
+    if seed is None:
+        return None
+    value = seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+    if value is None and getattr(seed, "ndim", None) == 0 and hasattr(seed, "item"):
+        item = seed.item()
+        value = item if isinstance(item, int) and not isinstance(item, bool) else None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise UserError(f"{key} must be an integer from 0 to 2**63 - 1, got {short(seed)}")
+    return int(value)
+
+
+def check_temperature(value: Any, key: str = "temperature") -> None:
+    """0 (greedy) or a finite temperature within :data:`TEMPERATURE_RANGE`."""
+    check_range(key, value, low=0.0)
+    low, high = TEMPERATURE_RANGE
+    if value != 0 and not low <= value <= high:
+        raise UserError(f"{key} must be 0 (greedy) or from {low:g} to {high:g}, got {value!r}")
+
+
+def check_decoding(temperature: Any, top_k: Any, top_p: Any, prefix: str = "") -> None:
+    """The decoding transform's settings: temperature (:func:`check_temperature`), top_k an integer
+    >= 0 (0 disables), top_p in (0, 1] (1 disables)."""
+    check_temperature(temperature, f"{prefix}temperature")
+    import numbers
+
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise UserError(f"{prefix}top_k must be an integer >= 0 (0 disables), got {short(top_k)}")
+    check_range(f"{prefix}top_k", top_k, low=0)
+    check_range(f"{prefix}top_p", top_p, low=0.0, high=1.0, low_open=True)
+
+
+def check_named_settings(values: dict[str, Any], spelled: Any = None) -> None:
+    """Settings that mean the same in every command get one rule each, whatever dataclass declares
+    them: ``seed`` (:func:`check_seed`), ``temperature`` (:func:`check_temperature`), ``top_k``
+    (an integer >= 0) and ``top_p`` (in (0, 1]).
+
+    Args:
+        values: ``{dotted path: value}`` of every leaf setting (:func:`specstop.config_cli.leaf_values`).
+        spelled: ``spelled(path) -> str``, how the user named the setting (its flag); default: the path.
+
+    Raises:
+        UserError: naming the setting, the value and the allowed range.
+    """
+    for path, value in values.items():
+        name = path.rpartition(".")[2]
+        if value is None or name not in ("seed", "temperature", "top_k", "top_p"):
+            continue
+        key = spelled(path) if spelled is not None else path
+        if name == "seed":
+            check_seed(value, key)
+        elif name == "temperature":
+            check_temperature(value, key)
+        elif name == "top_k":
+            check_range(key, value, low=0)
+        else:
+            check_range(key, value, low=0.0, high=1.0, low_open=True)
 
 
 def resolve_recorded_path(value: str | None, recorded_in: str | Path) -> str | None:

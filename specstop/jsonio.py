@@ -9,7 +9,24 @@ from typing import Any
 
 from specstop.errors import UserError
 
-__all__ = ["atomic_write_json", "read_json", "read_json_or_none"]
+__all__ = ["atomic_write_json", "loads", "read_json", "read_json_or_none"]
+
+
+def loads(text: str, where: str) -> Any:
+    """``json.loads`` for text from a file: JSON nested deeper than Python's recursion limit (a few
+    thousand ``[``, which json would meet with a RecursionError) is one line naming ``where``.
+
+    Raises:
+        json.JSONDecodeError: malformed JSON (callers name the file and line).
+        UserError: nested too deeply.
+    """
+    import sys
+
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested deeper than {sys.getrecursionlimit()} levels cannot be read; no file "
+                        "specstop reads nests that deep - give the intended file") from None
 
 
 def read_json(path: str | Path, what: str) -> Any:
@@ -29,7 +46,7 @@ def read_json(path: str | Path, what: str) -> Any:
     if not p.is_file():
         raise not_a_file(p, what, "give the path of a JSON file")
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return loads(p.read_text(encoding="utf-8"), str(p))
     except UnicodeDecodeError:
         raise UserError(f"{p}: not a UTF-8 text file; give the {what} (JSON)") from None
     except json.JSONDecodeError as err:
@@ -43,8 +60,8 @@ def read_json_or_none(path: str | Path) -> Any | None:
     if not p.is_file():
         return None
     try:
-        return json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return loads(p.read_text(), str(p))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, UserError):
         return None
 
 

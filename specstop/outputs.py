@@ -278,6 +278,8 @@ def write_error_message(err: OSError, doing: str = "writing") -> str | None:
         err: the error (``errno`` and ``filename`` are read).
         doing: what was being done (``writing``, ``creating``).
     """
+    if err.errno == errno.ENAMETOOLONG:
+        return too_long_message(err)
     if err.errno not in WRITE_ERRNOS:
         return None
     where = f" {err.filename}" if err.filename else ""
@@ -287,6 +289,22 @@ def write_error_message(err: OSError, doing: str = "writing") -> str | None:
     reason = "a read-only file system" if err.errno == errno.EROFS else "permission denied"
     return (f"cannot write{where}: {reason}; choose a writable output location (or fix its permissions), "
             "then rerun the same command")
+
+
+def too_long_message(err: OSError) -> str:
+    """One line for ``ENAMETOOLONG``: a path (given, or made from a given one) the OS cannot take."""
+    name = str(err.filename or "")
+    try:
+        name_max = os.pathconf(Path(name).parent if name else ".", "PC_NAME_MAX")
+        path_max = os.pathconf(Path(name).parent if name else ".", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    longest = max((len(part.encode()) for part in Path(name).parts), default=0)
+    shown = name if len(name) <= 120 else f"{name[:60]}...{name[-40:]} ({len(name)} characters)"
+    what = (f"a name in it has {longest} bytes" if longest > name_max else f"it has {len(name.encode())} bytes")
+    return (f"path too long: {shown}: {what}, but this file system allows {name_max} bytes per name and "
+            f"{path_max} per path (specstop adds up to 30 characters to an output's name for its temporary "
+            "files); give a shorter path")
 
 
 class OutputNotWritableError(UserError):

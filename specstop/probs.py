@@ -52,12 +52,9 @@ class DecodingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0 (0 disables), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        from specstop.config_io import check_decoding
+
+        check_decoding(self.temperature, self.top_k, self.top_p)  # NaN, inf and 1e308 included
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,8 @@ line.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +103,87 @@ def test_chain_decoder_loads_an_export_folder_like_the_batched_one(pair, exports
     batched = BatchedSpeculativeDecoder(pair, exports["disco"])
     assert chain.policy.spec == batched.policy.spec
     assert chain.generate([5, 6, 7], 8).token_ids == batched.generate([[5, 6, 7]], 8).row(0).token_ids
+
+
+# ------------------------------------------------------------------------------ numbers and strings out of range
+def _one_line(capsys, argv, *fragments):
+    from test_faults_inputs import one_line_error
+
+    from specstop.cli import main
+
+    return one_line_error(capsys, main(argv), *fragments)
+
+
+NO_PAIR = ["--pair", "/nonexistent/pair"]  # every refusal below comes before a model would load
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["decode", *NO_PAIR, "--prompt", "hi", "--temperature", "1e308"], "--temperature must be 0 (greedy) or from 0.0001 to 10000, got 1e+308"),
+    (["decode", *NO_PAIR, "--prompt", "hi", "--temperature", "1e-30"], "--temperature must be 0 (greedy) or from 0.0001"),
+    (["decode", *NO_PAIR, "--prompt", "hi", "--seed", str(2**64)], "--seed must be an integer from 0 to 2**63 - 1, got 18446744073709551616"),
+    (["decode", *NO_PAIR, "--prompt", "hi", "--seed", "-1"], "--seed must be an integer from 0 to 2**63 - 1, got -1"),
+    (["generate", *NO_PAIR, "--prompts", "p.jsonl", "--generation.seed", str(2**63), "--data", "ds"],
+     "--generation.seed must be an integer from 0 to 2**63 - 1"),
+    (["generate", *NO_PAIR, "--prompts", "p.jsonl", "--prompts.seed", str(2**64), "--data", "ds"],
+     "--prompts.seed must be an integer from 0 to 2**63 - 1"),
+    (["generate", *NO_PAIR, "--prompts", "p.jsonl", "--generation.temperature", "1e300", "--data", "ds"],
+     "--generation.temperature must be 0 (greedy) or from 0.0001 to 10000"),
+    (["calibrate-cost", *NO_PAIR, "--context-tokens", "0"], "--context-tokens must be >= 1 (and finite), got 0"),
+    (["calibrate-cost", *NO_PAIR, "--context-tokens", "-5"], "--context-tokens must be >= 1 (and finite), got -5"),
+], ids=["temperature-huge", "temperature-tiny", "seed-2**64", "seed-negative", "generate-seed", "prompts-seed",
+        "generate-temperature", "context-0", "context-negative"])
+def test_numbers_out_of_range_are_one_line(argv, fragment, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _one_line(capsys, argv, fragment)
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"temperature": float("nan")}, "temperature must be >= 0 (and finite), got nan"),
+    ({"temperature": float("inf")}, "temperature must be >= 0 (and finite), got inf"),
+    ({"temperature": 1e308}, "temperature must be 0 (greedy) or from 0.0001 to 10000"),
+    ({"top_k": 2.5}, "top_k must be an integer >= 0"),
+    ({"top_p": float("nan")}, "top_p must be > 0 and <= 1 (and finite), got nan"),
+])
+def test_decoding_config_refuses_what_no_decoder_can_use(kwargs, fragment):
+    from specstop.probs import DecodingConfig
+
+    with pytest.raises(UserError) as err:
+        DecodingConfig(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_deeply_nested_files_are_one_line(tmp_path, capsys):
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text("[" * 100_000 + "]" * 100_000)
+    deep_yaml = tmp_path / "deep.yaml"
+    deep_yaml.write_text("a: " + "[" * 5000 + "1" + "]" * 5000 + "\n")
+    deep_jsonl = tmp_path / "deep.jsonl"
+    deep_jsonl.write_text('{"prompt": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    nested = "nested deeper than"
+    _one_line(capsys, ["tune", "--data", str(tmp_path), "--cost-model", str(deep_json), "--out", str(tmp_path / "t.json")],
+              f"{deep_json}: JSON {nested}")
+    _one_line(capsys, ["export", "--tuned", str(deep_json), "--out", str(tmp_path / "e")], f"{deep_json}: JSON {nested}")
+    _one_line(capsys, ["decode", "--config", str(deep_yaml)], f"{deep_yaml}: YAML {nested}")
+    from specstop.prompts.jsonfile import read_json_records
+
+    with pytest.raises(UserError, match=f"{deep_jsonl}:2: JSON {nested}"):
+        read_json_records(deep_jsonl)
+
+
+def test_paths_longer_than_the_os_allows_are_one_line(tmp_path, capsys):
+    long = tmp_path / ("x" * 300)
+    tuned = tmp_path / "t.json"
+    tuned.write_text(json.dumps({"schema_version": 1, "policies": {}, "best": None}))
+    _one_line(capsys, ["export", "--tuned", str(tuned), "--out", str(long / "e")], "path too long:", "255 bytes per name",
+              "give a shorter path")
+    _one_line(capsys, ["info", "--pair", str(long)], "path too long:", "give a shorter path")
+    _one_line(capsys, ["decode", "--config", str(long)], "path too long:")
+
+
+def test_non_utf8_stdin_prompt_is_one_line(monkeypatch, capsys):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def f(x):\xff\xfe return x\n"), encoding="utf-8"))
+    _one_line(capsys, ["decode", *NO_PAIR, "--prompt", "-"], "--prompt -: stdin is not UTF-8 text", "at byte 9")

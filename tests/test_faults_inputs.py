@@ -250,7 +250,7 @@ def test_policy_specs_from_files_are_range_checked(spec, fragment):
 
 def test_decode_flags_are_range_checked(tmp_path, capsys):
     one_line_error(capsys, main(["decode", "--pair", "x", "--prompt", "hi", "--max-new-tokens", "0"]), "--max-new-tokens")
-    one_line_error(capsys, main(["decode", "--pair", "x", "--prompt", "hi", "--top-p", "0"]), "top_p")
+    one_line_error(capsys, main(["decode", "--pair", "x", "--prompt", "hi", "--top-p", "0"]), "--top-p")
     one_line_error(capsys, main(["eval", "--data", "d", "--tuned", "t", "--out", "o", "--mc-repeats", "0"]), "--mc-repeats")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specstop.config_cli import comma_list, leaf_settings, leaf_values, setting
-from specstop.config_io import check_range, check_type, dataclass_from_dict, read_yaml
+from specstop.config_io import check_named_settings, check_range, check_type, dataclass_from_dict, read_yaml
 from specstop.errors import MissingInputError, UserError
 from specstop.names import check_plain_name
 from specstop.pair.preflight import check_dtype_name
@@ -151,6 +151,7 @@ class DataGenConfig(PairSettings):
         ):
             check_range(key, value, low=low)
         check_range("labels.mixing.rate", lab.mixing.rate, low=0.0, high=1.0)
+        check_named_settings(values)  # seeds, temperature, top_k, top_p: one rule in every command
         if g.prompt_overflow not in PROMPT_OVERFLOW:
             raise UserError(f"generation.prompt_overflow must be one of {PROMPT_OVERFLOW}, got {g.prompt_overflow!r}")
         for split in [*lab.mixing.splits, *lab.rollouts.splits, *(pc.split_sizes or {})]:

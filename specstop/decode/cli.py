@@ -131,7 +131,7 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         kind = "tree" if shape is not None else "parallel"
         raise UserError(f"{flag} is for chain policies; {kind} policy {args.policy} runs on a dynamic KV cache - drop {flag}")
     decoding = DecodingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    text = _read_stdin() if args.prompt == "-" else args.prompt
     if not text.strip():
         raise UserError("--prompt is empty; give the text to continue ('-' reads it from stdin)")
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
@@ -170,6 +170,18 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _read_stdin() -> str:
+    """The prompt from stdin (``--prompt -``): UTF-8 text, or one line saying it is not."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"--prompt -: stdin is not UTF-8 text ({err.reason} at byte {err.start}); pipe the prompt as "
+                        "UTF-8 (e.g. iconv -t UTF-8) or pass --prompt TEXT") from None
 
 
 def _tree_export(policy: str):

@@ -99,6 +99,9 @@ def run(args: CalibrateSettings) -> int:
         raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
     if not args.budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    from specstop.config_io import check_range
+
+    check_range("--context-tokens", args.context_tokens, low=1)  # 0 used to mean "the default" silently
     batch_grid = None
     if args.batch_grid:  # checked before minutes of timing
         from specstop.measure.batch_cost import parse_batch_grid, time_batch

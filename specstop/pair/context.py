@@ -8,7 +8,10 @@ truncates or skips prompts against the same limit) checks it first.
 
 from __future__ import annotations
 
+from specstop.config_io import MAX_SEED, check_seed
 from specstop.errors import UserError
+
+__all__ = ["MAX_SEED", "check_fits", "check_request", "check_seed", "context_window", "vocabulary_size"]
 
 
 def context_window(pair) -> int | None:
@@ -40,26 +43,6 @@ def check_fits(pair, needed: int, what: str, fix: str) -> None:
             f"{what} needs {needed} positions but the models' context window is {window} tokens "
             f"(max_position_embeddings); {fix}"
         )
-
-
-#: Seeds every decoder and command accepts: torch generators take 64 bits, and PEARL offsets the
-#: seed per worker, so 0 .. 2**63 - 1 always fits.
-MAX_SEED = 2**63 - 1
-
-
-def check_seed(seed, what: str = "seed") -> int | None:
-    """``seed`` as an int (None stays None), refused in one line when it is not an integer in
-    0 .. 2**63 - 1 (torch and numpy raise an overflow deep inside otherwise).
-
-    Raises:
-        UserError: naming the value and the range.
-    """
-    if seed is None:
-        return None
-    value = _as_int(seed)
-    if value is None or not 0 <= value <= MAX_SEED:
-        raise UserError(f"{what} must be an integer from 0 to 2**63 - 1, got {_show(seed)}")
-    return value
 
 
 def check_request(pair, prompt_ids, max_new_tokens, *, what: str = "prompt_ids") -> list[int]:

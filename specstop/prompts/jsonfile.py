@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specstop.config_io import not_a_file
 from specstop.errors import UserError
+from specstop.jsonio import loads
 
 #: A prompt record and the 1-based line it starts on.
 Located = tuple[int, dict]
@@ -37,7 +38,7 @@ def _read_lines(path: Path, text: str) -> list[Located]:
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = loads(line, f"{path}:{n}")
         except json.JSONDecodeError as err:
             raise UserError(
                 f"{path}:{n}: not valid JSON ({err.msg} at column {err.colno}); each line of a .jsonl file "
@@ -80,7 +81,7 @@ def read_json_records(path: str | Path) -> list[Located]:
         raise UserError(f"{path} is empty: a prompt file needs at least one JSON record")
     if path.suffix == ".json":
         try:
-            value = json.loads(text)
+            value = loads(text, str(path))
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":  # "Extra data": JSON Lines under a .json name
                 raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None
