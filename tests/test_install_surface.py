@@ -193,3 +193,43 @@ def test_the_import_path_of_older_exports_still_resolves():
     from specstop.export.hf_assist import generate_with_policy as old_path
 
     assert old_path is generate_with_policy
+
+
+def test_supported_ranges_are_the_declared_ones():
+    """pyproject.toml's torch and transformers ranges are the ones specstop checks at run time, and the
+    oldest-release check pins exactly the lower bound."""
+    from specstop.pair.compat import SUPPORTED, supported_range
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {d.split("#")[0].strip().replace(" ", "") for d in deps}
+    for package in SUPPORTED:
+        assert supported_range(package) in declared, (package, supported_range(package))
+    pins = dict(line.split("==") for line in (REPO / "scripts" / "oldest_supported.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+    assert pins["transformers"].startswith(SUPPORTED["transformers"][0] + "."), pins["transformers"]
+
+
+@pytest.mark.parametrize("found, fragment", [
+    ({"torch": "2.13.0+cpu", "transformers": "4.57.1"}, "found transformers 4.57.1"),
+    ({"torch": "2.3.1", "transformers": "5.24.0"}, "found torch 2.3.1"),
+    ({"torch": "2.13.0", "transformers": "6.0.0.dev0"}, "found transformers 6.0.0.dev0"),
+    ({"torch": "2.13.0", "transformers": None}, "transformers is not installed"),
+])
+def test_unsupported_releases_are_refused_in_one_line(found, fragment):
+    from specstop.errors import UserError
+    from specstop.pair.compat import check_supported_versions
+
+    with pytest.raises(UserError) as err:
+        check_supported_versions(found)
+    assert fragment in str(err.value) and "pip install '" in str(err.value) and "\n" not in str(err.value)
+    check_supported_versions({"torch": "2.11.0+cu130", "transformers": "5.16.0"})  # the oldest, and a CUDA build
+
+
+def test_the_cli_refuses_an_unsupported_transformers(monkeypatch, capsys):
+    from specstop.cli import main
+    from specstop.pair import compat
+
+    monkeypatch.setitem(compat.SUPPORTED, "transformers", ("99.0", None))
+    assert main(["info", "--pair", "nowhere"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "specstop needs transformers>=99.0, found transformers" in err

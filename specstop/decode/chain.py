@@ -100,7 +100,10 @@ class _Timer:
 class _LM:
     """One model plus its KV cache and the number of sequence tokens the cache holds."""
 
-    def __init__(self, model, static_cache: bool, max_len: int, compile: bool) -> None:
+    def __init__(self, model, static_cache: bool, max_len: int, compile: bool, compiled_up_to: int = 0) -> None:
+        """``compiled_up_to``: with ``compile``, feeds of at most this many tokens (a round's: 1..K+1)
+        run compiled; longer ones (the prompt's prefill, one length per prompt) run eagerly, so a new
+        prompt length never costs a compilation."""
         self.model = model
         self.device = model.get_input_embeddings().weight.device
         self.static = static_cache
@@ -113,10 +116,17 @@ class _LM:
 
             self.cache = DynamicCache(config=model.config)
         self.length = 0  # tokens of the sequence held in the cache
-        self.forward = model.forward
+        self.forward = self.compiled = model.forward
+        self.compiled_up_to = compiled_up_to if compile else 0
         if compile:
-            # Static shapes per input length; the decode path only ever feeds 1..K+1 tokens.
-            self.forward = torch.compile(model.forward, dynamic=False, fullgraph=False)
+            # Static shapes per input length: one graph per (model, length) pair. Draft and target
+            # share one forward code object, whose recompile limit (8 by default) must hold them all.
+            import torch._dynamo
+
+            name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            needed = 2 * (compiled_up_to + 1) + 2
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), needed))
+            self.compiled = torch.compile(model.forward, dynamic=False, fullgraph=False)
 
     @torch.no_grad()
     def feed(self, tokens: list[int], keep_logits: int, hidden: bool = False, layer: int = -1):
@@ -130,7 +140,8 @@ class _LM:
         ids = torch.tensor([tokens], device=self.device)
         # Explicit positions: a static cache does not know its logical length after a rollback.
         pos = torch.arange(self.length, self.length + n, device=self.device)
-        out = self.forward(
+        forward = self.compiled if n <= self.compiled_up_to else self.forward
+        out = forward(
             input_ids=ids,
             **cache_kwarg(self.model, self.cache),
             use_cache=True,
@@ -231,8 +242,9 @@ class SpeculativeDecoder:
         max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2
         if self.static_cache and max_len > self.max_cache_len:
             raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds max_cache_len={self.max_cache_len}")
-        draft = _LM(pair.draft, self.static_cache, self.max_cache_len, self.compile)
-        target = _LM(pair.target, self.static_cache, self.max_cache_len, self.compile)
+        block = policy.cap() + 1  # the longest feed of a round: K drafted tokens after the last emitted one
+        draft = _LM(pair.draft, self.static_cache, self.max_cache_len, self.compile, compiled_up_to=block)
+        target = _LM(pair.target, self.static_cache, self.max_cache_len, self.compile, compiled_up_to=block)
         timer = _Timer(target.device)
         gen = None
         if not greedy:

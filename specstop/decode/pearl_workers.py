@@ -148,8 +148,12 @@ def _register_output_capture(model) -> None:
     except ImportError:  # a transformers without the registry captures outputs without it
         return
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
-            _CAN_RECORD_REGISTRY[module] = getattr(module, "_can_record_outputs", None)
+        if not isinstance(module, PreTrainedModel):
+            continue
+        # The registry's key is the module on newer transformers 5 releases, its class name on older ones.
+        for key in (module, str(module.__class__)):
+            if not _CAN_RECORD_REGISTRY.get(key):
+                _CAN_RECORD_REGISTRY[key] = getattr(module, "_can_record_outputs", None)
 
 
 def _send(conn, msg) -> bool:

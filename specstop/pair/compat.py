@@ -2,7 +2,7 @@
 
 The KV cache keyword of a model's ``forward`` was renamed from ``past_key_values`` to ``cache``
 within transformers 5 (5.24 accepts both but warns on every call site with a FutureWarning that
-says the old name goes in 5.40). specstop supports ``transformers>=5.0,<6``, so it asks each
+says the old name goes in 5.40). specstop supports ``transformers>=5.16,<6``, so it asks each
 model's ``forward`` which name it takes instead of pinning one.
 """
 
@@ -36,7 +36,7 @@ def output_cache(out):
 
 
 #: The releases specstop runs with: pyproject.toml declares the same ranges (a test keeps them equal).
-SUPPORTED = {"torch": ("2.4", None), "transformers": ("5.0", "6")}
+SUPPORTED = {"torch": ("2.4", None), "transformers": ("5.16", "6")}
 
 
 def _release(text: str) -> tuple[int, ...]:
