@@ -50,6 +50,8 @@ def tiny_causal_lm(
     seed: int = 0,
     hidden_size: int = 32,
     num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
     arch: str = "qwen2",
     padded_vocab: int = 16,
     init_range: float = 0.3,
@@ -69,8 +71,8 @@ def tiny_causal_lm(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=1024,
         initializer_range=init_range,
         tie_word_embeddings=False,
@@ -85,16 +87,18 @@ def tiny_causal_lm(
     return model
 
 
-def tiny_pair_models(seed: int = 0, noise: float = 0.03, arch: str = "qwen2", draft_layers: int = 2):
+def tiny_pair_models(seed: int = 0, noise: float = 0.03, arch: str = "qwen2", draft_layers: int = 2, **shape):
     """Return ``(draft, target, tokenizer)``: a random target and a noisy copy as the draft.
 
     The draft copies the target (its first ``draft_layers`` layers) plus Gaussian noise
     of relative size ``noise``), so the pair agrees on roughly half to most greedy tokens.
+    ``shape``: ``hidden_size`` / ``num_heads`` / ``num_kv_heads`` for :func:`tiny_causal_lm`.
     """
     tok = tiny_tokenizer()
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    target = tiny_causal_lm(len(tok), seed=seed, arch=arch, num_layers=2, eos_token_id=eos, pad_token_id=pad)
-    draft = tiny_causal_lm(len(tok), seed=seed + 1, arch=arch, num_layers=draft_layers, eos_token_id=eos, pad_token_id=pad)
+    target = tiny_causal_lm(len(tok), seed=seed, arch=arch, num_layers=2, eos_token_id=eos, pad_token_id=pad, **shape)
+    draft = tiny_causal_lm(len(tok), seed=seed + 1, arch=arch, num_layers=draft_layers, eos_token_id=eos,
+                           pad_token_id=pad, **shape)
     tsd = target.state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
     new_sd = {}
@@ -119,6 +123,16 @@ def save_tiny_pair(path: str | Path, seed: int = 0, **kwargs) -> Path:
         model.save_pretrained(path / name)
         tok.save_pretrained(path / name)
     return path
+
+
+#: A tiny pair vLLM's CPU build loads: its attention kernels take head sizes of 32 and more
+#: (``vllm/v1/attention/backends/cpu_attn.py``), so 2 heads of 32 (1 KV head) instead of 4 of 8.
+VLLM_TINY_SHAPE = {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1}
+
+
+def save_vllm_tiny_pair(path: str | Path, seed: int = 0, **kwargs) -> Path:
+    """:func:`save_tiny_pair` with a shape vLLM can serve (:data:`VLLM_TINY_SHAPE`); Qwen2 as before."""
+    return save_tiny_pair(path, seed=seed, **{**VLLM_TINY_SHAPE, **kwargs})
 
 
 def tiny_pair(seed: int = 0, **kwargs):

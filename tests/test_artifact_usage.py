@@ -118,6 +118,11 @@ def test_engine_commands_name_their_flags_and_files_by_a_path_that_exists(writte
             if engine == "vllm":
                 conf = argv[argv.index("--speculative-config") + 1]
                 assert json.loads(conf) == option["speculative_config"]
+                if option.get("additional_config"):  # specstop's proposer: its draft and policy
+                    extra = json.loads(argv[argv.index("--additional-config") + 1])
+                    assert extra == option["additional_config"]
+                    policy = extra["specstop"]["policy"]
+                    assert isinstance(policy, dict) or (policy.startswith("/") and (tmp_path / policy).is_dir())
             if engine == "trtllm":
                 path = argv[argv.index("--extra_llm_api_options") + 1]
                 assert yaml.safe_load(open(path)) == option["llm_api_options"]

@@ -52,6 +52,9 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")),
 NOT_RUN = {
     ("docs/decoders.md", 'policy.push_to_hub("you/policy")'):
         "uploads to the Hugging Face Hub (network); tests/test_hub_native.py runs both lines against a stand-in Hub",
+    ("docs/engines.md", "from vllm import LLM, SamplingParams"):
+        "needs vLLM, which lives in its own venv (make vllm-env); tests/test_vllm_engine.py runs vllm.json's options "
+        "in vLLM the same way",
 }
 #: ``specstop`` command lines parsed but not run, though their command is one that runs: why.
 PARSED_ONLY = {

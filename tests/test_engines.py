@@ -53,8 +53,15 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
     assert hf["cost_model"] == COST  # the calibration the prediction assumes
 
     vllm = engine_settings(tuned, "vllm", draft="d", target="t")
-    assert list(vllm["options"]) == ["static_opt"]  # vLLM has a fixed draft length only
+    assert list(vllm["options"]) == ["static_opt", "heuristic_opt", "confidence_opt"]
+    # a fixed K: vLLM's own draft-model proposer; the other rules: specstop's proposer class inside vLLM
     assert vllm["options"]["static_opt"]["speculative_config"] == {"model": "d", "num_speculative_tokens": 4}
+    conf = vllm["options"]["confidence_opt"]
+    assert conf["speculative_config"] == {"method": "custom_class", "model": "specstop.decode.vllm_proposer.SpecstopProposer",
+                                          "num_speculative_tokens": 12}  # SL_max: vLLM's cap on every draft
+    assert conf["additional_config"] == {"specstop": {"draft": "d", "policy": tuned["policies"]["confidence_opt"]["spec"]}}
+    assert "--additional-config" in conf["command"] and "pip install specstop" in conf["note"]
+    assert vllm["recommended"] == "confidence_opt"
 
     lc = engine_settings(tuned, "llamacpp", draft="d.gguf", target="t.gguf")
     assert lc["recommended"] == "confidence_opt"
@@ -104,6 +111,10 @@ def test_unknown_engine_and_missing_policies_are_clear(tmp_path):
     with pytest.raises(ValueError, match="choose from"):
         engine_settings(tuned, "tgi")
     del tuned["policies"]["static_opt"]
+    with pytest.raises(ValueError, match="sglang can express"):
+        engine_settings(tuned, "sglang")
+    for name in ("heuristic_opt", "confidence_opt"):
+        del tuned["policies"][name]
     with pytest.raises(ValueError, match="vllm can express"):
         engine_settings(tuned, "vllm")
 
@@ -204,6 +215,15 @@ def test_export_writes_schedule_side_files(tmp_path, capsys):
         1, [3, 15, 6]), "non-overlapping"),
     ("vllm", lambda d: d["batch_schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"].__setitem__(
         1, [4, 15, 9]), "clamps"),
+    ("vllm", lambda d: d["options"]["confidence_opt"]["speculative_config"].update({"model": "my.Proposer"}),
+     "must name specstop.decode.vllm_proposer.SpecstopProposer"),
+    ("vllm", lambda d: d["options"]["confidence_opt"].pop("additional_config"), "additional_config.specstop.draft"),
+    ("vllm", lambda d: d["options"]["confidence_opt"]["speculative_config"].update({"num_speculative_tokens": 4}),
+     "drafts up to 12 tokens"),
+    ("vllm", lambda d: d["options"]["confidence_opt"]["additional_config"]["specstop"]["policy"].update(
+        {"threshold": 3.0}), "threshold"),
+    ("vllm", lambda d: d["options"]["static_opt"]["speculative_config"].update({"method": "eagle"}),
+     "must be draft_model or custom_class"),
     ("sglang", lambda d: d["batch_schedule"]["adaptive_config"].update({"4": {"candidate_steps": []}}),
      "non-empty list"),
     ("sglang", lambda d: d["batch_schedule"]["adaptive_config"].pop("1"), "ascend from 1"),

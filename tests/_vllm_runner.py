@@ -1,0 +1,116 @@
+"""Run vLLM's offline engine on token-id prompts, once per speculative setting: ``python _vllm_runner.py JOB OUT``.
+
+Started by tests/test_vllm_engine.py with ``.venv-vllm/bin/python`` (vLLM lives in its own venv).
+JOB (JSON): ``{"target", "prompts": [[ids]], "max_tokens", "engine": {LLM kwargs}, "runs": [{"name",
+"speculative_config", "additional_config", "command"}]}``; a run's ``command`` (a ``vllm serve`` line) is
+parsed by vLLM's own serve parser and reported as ``parsed_command`` (model, speculative and additional
+config). Every run starts one engine (in this process: the
+caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), decodes greedily the prompts one at a time (batch
+size 1) and then all at once (batch size len(prompts)), and shuts the engine down. OUT (JSON):
+``{name: {"batch1": [[ids]], "batched": [[ids]], "spec": {"batch1": counters, "batched": counters},
+"start_s", "generate_s", "error"}}``; spec counters are vLLM's own (drafts, draft tokens, accepted
+tokens) for that pass.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def _spec_counters(llm) -> dict[str, float]:
+    out = dict.fromkeys(SPEC_METRICS.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the next engine start reports real problems
+        pass
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def parse_serve_command(command: str) -> dict:
+    """What ``vllm serve`` makes of a command line: its model and the speculative/additional config
+    (vLLM's own serve parser and EngineArgs; nothing is started)."""
+    import shlex
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["vllm", "serve"], argv
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    args.model = args.model_tag or args.model
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    return {"model": engine_args.model, "speculative_config": engine_args.speculative_config,
+            "additional_config": engine_args.additional_config or None}
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    results = {}
+    for spec in job["runs"]:
+        res: dict = {}
+        results[spec["name"]] = res
+        if spec.get("command"):
+            try:
+                res["parsed_command"] = parse_serve_command(spec["command"])
+            except Exception:  # noqa: BLE001
+                res["error"] = traceback.format_exc()
+                continue
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(model=job["target"], speculative_config=spec.get("speculative_config"),
+                      additional_config=spec.get("additional_config") or {}, disable_log_stats=False,
+                      **job.get("engine", {}))
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            res["error"] = traceback.format_exc()
+            continue
+        res["start_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            before = _spec_counters(llm)
+            res["batch1"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+            mid = _spec_counters(llm)
+            res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(_spec_counters(llm), mid)}
+        except Exception:  # noqa: BLE001
+            res["error"] = traceback.format_exc()
+        res["generate_s"] = time.perf_counter() - t0
+        _shutdown(llm)
+    return results
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    out = run(job)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f, indent=1)

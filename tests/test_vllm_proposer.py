@@ -1,0 +1,186 @@
+"""specstop's vLLM proposer (specstop.decode.vllm_proposer) without vLLM: vLLM's calls simulated.
+
+A loop plays vLLM's part as ``gpu_model_runner`` does for a ``custom_class`` proposer: after every
+target step it calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` with the rows
+of the running requests (in another order every step, and a request joining late), verifies the
+drafts greedily with the target and appends the accepted tokens plus one. Every draft is then
+checked against a cache-free recomputation: the tokens are the draft's argmax and the draft stops
+exactly where the policy (run afresh on full-context features) says. The vLLM engine itself runs
+the proposer in tests/test_vllm_engine.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from _export_fixtures import random_exports, single_thread  # noqa: F401 - tiny models run faster on one thread
+
+from specstop.decode.vllm_proposer import SpecstopProposer, dynamic_k_lookup
+from specstop.errors import UserError
+from specstop.export.runtime import StoppingPolicy
+
+MAX_LEN = 160
+
+
+def _config(draft, policy, k_max=6, schedule=None, max_seqs=4):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k_max, num_speculative_tokens_per_batch_size=schedule),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, dtype=torch.float32),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_seqs),
+        additional_config={"specstop": {"draft": str(draft), "policy": policy}},
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_pair_dir):
+    from specstop.pair.loader import load_pair
+
+    return load_pair(str(tiny_pair_dir / "draft"), str(tiny_pair_dir / "target"), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, loaded):
+    return random_exports(tmp_path_factory.mktemp("vllm_exports"), loaded)
+
+
+def _greedy(model, ids, vocab):
+    with torch.no_grad():
+        return int(model(torch.tensor([ids])).logits[0, -1, :vocab].argmax())
+
+
+def _simulate(proposer, pair, prompts, max_new, join_late=1):
+    """vLLM's decode loop around ``proposer``; returns the outputs and every round (context, drafts, rows)."""
+    vocab = pair.vocab_size
+    seqs, sampled, active = {}, {}, []
+    for r, p in enumerate(prompts):
+        seqs[r] = list(p) + [_greedy(pair.target, p, vocab)]  # prefill emits the first token
+        sampled[r] = [seqs[r][-1]]
+    rounds, step = [], 0
+    pending = list(range(len(prompts)))
+    active, pending = pending[:len(prompts) - join_late], pending[len(prompts) - join_late:]
+    while active or pending:
+        step += 1
+        if step == 3:  # a request joins while others run
+            active, pending = active + pending, []
+        rows = active[::-1] if step % 2 else list(active)  # vLLM reorders rows as requests come and go
+        table = np.zeros((8, MAX_LEN), dtype=np.int32)
+        lengths = np.zeros(8, dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, :len(seqs[r])] = seqs[r]
+            lengths[i] = len(seqs[r])
+        drafts = proposer.propose([sampled[r] for r in rows], lengths, table)
+        assert len(drafts) == len(rows)
+        for r, d in zip(rows, drafts):
+            rounds.append((list(seqs[r]), list(d), len(rows), len(prompts[r])))
+            new = []
+            for y in d:  # greedy verification: leading matches, then the target's own token
+                t = _greedy(pair.target, seqs[r] + new, vocab)
+                if t != y:
+                    break
+                new.append(y)
+            new.append(_greedy(pair.target, seqs[r] + new, vocab))
+            seqs[r] += new
+            sampled[r] = new
+        active = [r for r in active if len(seqs[r]) - len(prompts[r]) < max_new]
+    return [seqs[r][len(prompts[r]):][:max_new] for r in range(len(prompts))], rounds
+
+
+def _check_rounds(rounds, pair, policy_arg, k_max, k_by_batch=None):
+    """Each draft: the draft's greedy tokens, stopped where a fresh policy stops on cache-free features."""
+    vocab = pair.vocab_size
+    if isinstance(policy_arg, dict):
+        from specstop.policy import PolicySpec
+
+        ref = StoppingPolicy.from_spec(PolicySpec.from_dict(policy_arg))
+    else:
+        ref = StoppingPolicy.load(policy_arg)
+    ref.configure(None, vocab)
+    eos = {pair.tokenizer.eos_token_id}
+    lengths = []
+    for context, drafts, batch, prompt_len in rounds:
+        cap = min(k_max, ref.spec.cap, MAX_LEN - len(context) - 1)
+        if k_by_batch is not None:
+            cap = min(cap, k_by_batch[batch])
+        assert 1 <= len(drafts) <= cap
+        with torch.no_grad():
+            out = pair.draft(torch.tensor([context + drafts]), output_hidden_states=True)
+        ref.reset()
+        n = len(context)
+        for j, y in enumerate(drafts, start=1):
+            q = out.logits[0, n - 2 + j]
+            assert y == int(q[:vocab].argmax())
+            h = out.hidden_states[-1][0, n - 2 + j] if ref.needs_hidden else None
+            stop = ref.should_stop(q, h, position=n - prompt_len + j - 1, draft_token=y)
+            last = j == len(drafts)
+            assert (stop or j == cap or y in eos) == last, (context, drafts, j)
+        lengths.append(len(drafts))
+    return lengths
+
+
+@pytest.mark.parametrize("policy", [
+    {"kind": "confidence", "threshold": 0.1, "sl_max": 5},  # about half the tiny draft's top-1 are below 0.1
+    {"kind": "static", "k": 3},
+    "disco",   # learned: DISCO on the draft distribution (export folder)
+    "sdpp",    # learned: SpecDec++ on the draft's hidden states
+])
+def test_drafts_stop_where_the_policy_says_and_output_is_the_targets(policy, tiny_pair_dir, loaded, exports):
+    arg = str(exports[policy]) if isinstance(policy, str) else policy
+    proposer = SpecstopProposer(_config(tiny_pair_dir / "draft", arg))
+    prompts = [[5, 6, 7, 8], [40, 41, 42], [100, 9, 9, 9, 9], [3, 70]]
+    outs, rounds = _simulate(proposer, loaded, prompts, max_new=20)
+    for p, o in zip(prompts, outs):  # vLLM's verification keeps the target's greedy output
+        ref, seq = [], list(p)
+        for _ in range(20):
+            ref.append(_greedy(loaded.target, seq, loaded.vocab_size))
+            seq.append(ref[-1])
+        assert o == ref
+    lengths = _check_rounds(rounds, loaded, arg, 6)
+    if policy != {"kind": "static", "k": 3}:
+        assert len(set(lengths)) > 1, lengths  # the policy stops drafts at different lengths
+    assert proposer.stats["rounds"] == len(rounds)
+
+
+def test_heuristic_learns_per_request(tiny_pair_dir, loaded):
+    """The heuristic schedule (+2 after a fully accepted round, -1 otherwise) is kept per request."""
+    proposer = SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "heuristic", "start": 2, "sl_max": 6}))
+    outs, rounds = _simulate(proposer, loaded, [[5, 6, 7, 8], [40, 41, 42]], max_new=24, join_late=0)
+    by_prompt: dict[int, list] = {}
+    for context, drafts, _, prompt_len in rounds:
+        by_prompt.setdefault(prompt_len, []).append((context, drafts))
+    for seq in by_prompt.values():
+        k = 2
+        for (context, drafts), nxt in zip(seq, seq[1:] + [None]):
+            want = min(k, 6, MAX_LEN - len(context) - 1)
+            assert len(drafts) == want or (len(drafts) < want and drafts[-1] == loaded.tokenizer.eos_token_id)
+            if nxt is None:
+                break
+            accepted = len(nxt[0]) - len(context) - 1
+            k = k + 2 if accepted == len(drafts) else max(1, k - 1)
+
+
+def test_batch_schedule_caps_drafts(tiny_pair_dir, loaded):
+    schedule = [[1, 1, 5], [2, 4, 2]]
+    proposer = SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "static", "k": 5}, schedule=schedule))
+    _, rounds = _simulate(proposer, loaded, [[5, 6, 7, 8], [40, 41, 42]], max_new=16, join_late=1)
+    lookup = dynamic_k_lookup(schedule, 4, 6)
+    lengths = _check_rounds(rounds, loaded, {"kind": "static", "k": 5}, 6, k_by_batch=lookup)
+    assert {b for _, _, b, _ in rounds} == {1, 2} and set(lengths) == {2, 5}
+
+
+def test_dynamic_k_lookup_follows_vllms_rule():
+    # gaps keep the previous K, batch sizes past the last range keep its K, every K clamped to the maximum
+    assert dynamic_k_lookup([[1, 2, 4], [5, 6, 9], [8, 8, 0]], 10, 6) == [0, 4, 4, 4, 4, 6, 6, 6, 0, 0, 0]
+    with pytest.raises(UserError, match="starting at 1"):
+        dynamic_k_lookup([[2, 4, 3]], 4, 6)
+
+
+def test_settings_are_required(tiny_pair_dir):
+    cfg = _config(tiny_pair_dir / "draft", {"kind": "confidence"})
+    cfg.additional_config = {}
+    with pytest.raises(UserError, match="additional_config"):
+        SpecstopProposer(cfg)
+    with pytest.raises(UserError, match="export folder"):
+        SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "predictor", "family": "disco_ffn"}))
