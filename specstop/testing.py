@@ -163,8 +163,9 @@ class SmallVocabPair:
     vocab: int
 
 
-def small_vocab_pair(device: str | None = None, vocab: int = 5) -> SmallVocabPair:
-    """A pair over ``vocab`` tokens whose draft differs noticeably from the target (TV around 0.2-0.4).
+def small_vocab_pair(device: str | None = None, vocab: int = 5, noise: float = 0.5) -> SmallVocabPair:
+    """A pair over ``vocab`` tokens whose draft differs noticeably from the target (TV around 0.2-0.4
+    for 5 tokens; more tokens need less ``noise``, the draft's relative weight perturbation, for that).
 
     Small enough that the exact distribution of the first two tokens has ``vocab ** 2`` cells, so a
     few hundred sampled decodes test losslessness by chi-square (:func:`pooled_chi_square`).
@@ -174,7 +175,7 @@ def small_vocab_pair(device: str | None = None, vocab: int = 5) -> SmallVocabPai
 
     target = tiny_causal_lm(vocab, seed=5, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
     draft = tiny_causal_lm(vocab, seed=6, hidden_size=16, num_layers=1, padded_vocab=3, init_range=0.6)
-    sd = {k: v + 0.5 * v.std() * torch.randn_like(v) if v.numel() > 1 else v for k, v in target.state_dict().items()}
+    sd = {k: v + noise * v.std() * torch.randn_like(v) if v.numel() > 1 else v for k, v in target.state_dict().items()}
     draft.load_state_dict(sd)
     for m in (draft, target):
         m.generation_config.eos_token_id = None
