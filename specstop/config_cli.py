@@ -247,6 +247,7 @@ class TypedCommand:
         action.short_flags = names
         action.hidden_flags = leaf.deprecated  # a deprecated spelling may be the dotted one (``--out``)
         action.is_switch = leaf.is_switch
+        action.required_setting = leaf.required  # --help says "required", not "default: null"
         if leaf.metavar:
             action.metavar = leaf.metavar
         for flag in leaf.flags:
@@ -390,6 +391,17 @@ def _short_flags_help() -> type:
     from jsonargparse import DefaultHelpFormatter
 
     class ShortFlagsHelp(DefaultHelpFormatter):
+        def _get_help_string(self, action: argparse.Action) -> str:
+            # A required setting stays optional for argparse (a config file may give it), so it is
+            # marked for the help only: "(required, type: ...)" instead of "default: null".
+            if not getattr(action, "required_setting", False):
+                return super()._get_help_string(action)
+            action.required = True
+            try:
+                return super()._get_help_string(action)
+            finally:
+                action.required = False
+
         def _format_action_invocation(self, action: argparse.Action) -> str:
             short = list(getattr(action, "short_flags", ()))
             hidden = getattr(action, "hidden_flags", ())

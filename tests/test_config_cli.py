@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import pytest
@@ -113,15 +114,131 @@ def test_a_bad_file_names_the_file_and_key(tmp_path):
         _command().parse(["--config", str(yaml_file)])
 
 
-def test_every_command_setting_has_help():
-    """A setting without a docstring would reach --help as a bare type: every command documents its own."""
-    from specstop.config_cli import leaf_settings
-    from specstop.data_gen.config import DataGenConfig
+class _Parsed(Exception):
+    """Raised instead of parsing: carries the command's parser out of its ``main``."""
 
-    cmd = TypedCommand(DataGenConfig, prog="specstop generate")
-    undocumented = [a.dest for a in cmd.parser._actions
-                    if a.dest in {leaf.path for leaf in leaf_settings(DataGenConfig)} and not a.help]
-    assert not undocumented, f"settings without a docstring: {undocumented}"
+
+def _typed_command(name: str, monkeypatch) -> TypedCommand:
+    """The :class:`TypedCommand` that ``specstop NAME`` parses its arguments with (nothing runs)."""
+    import importlib
+
+    from specstop.cli import COMMANDS
+
+    def parse(self, argv):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(TypedCommand, "parse", parse)
+    with pytest.raises(_Parsed) as caught:
+        importlib.import_module(COMMANDS[name][0]).main([])
+    return caught.value.args[0]
+
+
+def _printed_default(help_text: str) -> str | None:
+    """The ``default: X`` jsonargparse appends to a flag's help, or None when it prints none."""
+    tail = help_text.rsplit("(", 1)[-1]
+    return tail.split("default: ", 1)[1].rstrip(")") if "default: " in tail else None
+
+
+_TYPED_COMMANDS = [name for name in __import__("specstop.cli", fromlist=["COMMANDS"]).COMMANDS if name != "train"]
+
+
+@pytest.mark.parametrize("name", _TYPED_COMMANDS)
+def test_every_command_setting_has_help(name, monkeypatch):
+    """Every flag of every command has help text, and --help prints the default the command really uses:
+    the dataclass default, or "required" for a setting the command refuses to run without."""
+    from specstop.config_cli import leaf_values
+
+    cmd = _typed_command(name, monkeypatch)
+    defaults = leaf_values(cmd.root())
+    required = {leaf.path for leaf in cmd.leaves if leaf.required}
+    formatter = cmd.parser._get_formatter()
+    undocumented, wrong = [], []
+    for action in cmd.parser._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue  # hidden (kept for old scripts) or argparse's own
+        if not action.help:
+            undocumented.append(action.dest)
+        if action.dest not in defaults:
+            continue
+        text = " ".join(formatter._expand_help(action).split())
+        printed = _printed_default(text)
+        if action.dest in required:
+            if printed is not None or "(required" not in text:
+                wrong.append(f"{action.dest}: {text!r} (a required setting)")
+            continue
+        value = defaults[action.dest]
+        if action.dest.rsplit(".", 1)[-1] == "seed" and not isinstance(value, int):
+            wrong.append(f"{action.dest}: prints {printed!r}; a null seed means seed 0, so the default is 0")
+        if printed != ("null" if value is None else str(value)):
+            wrong.append(f"{action.dest}: prints {printed!r}, the default is {value!r}")
+    assert not undocumented, f"specstop {name}: flags without help: {undocumented}"
+    assert not wrong, f"specstop {name}: --help describes the wrong default: {wrong}"
+
+
+def _specstop_train_classes() -> list[type]:
+    """The model and data-module classes ``specstop train`` configs may name (defined in specstop.train)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lightning as L
+
+    import specstop.train
+
+    found = []
+    for info in pkgutil.iter_modules(specstop.train.__path__):
+        module = importlib.import_module(f"specstop.train.{info.name}")
+        found += [cls for _, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__ == module.__name__
+                  and issubclass(cls, (L.LightningModule, L.LightningDataModule))]
+    return found
+
+
+def test_train_arguments_specstop_adds_or_changes_have_help_stating_its_defaults(monkeypatch):
+    """``specstop train`` is LightningCLI: every argument of specstop's own classes and flags has help, and
+    an argument whose default specstop changes states specstop's default, never Lightning's."""
+    import re
+
+    import jsonargparse
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from specstop.train import cli as train_cli
+
+    def parse_arguments(self, parser, args):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(train_cli.SpecstopCLI, "parse_arguments", parse_arguments)
+    with pytest.raises(_Parsed) as caught:
+        train_cli.build_cli(["fit"], run=True)
+    fit = caught.value.args[0]._subcommands_action._name_parser_map["fit"]
+    actions = {a.dest: a for a in fit._actions}
+    assert actions["evaluate_after_fit"].help
+
+    plain = jsonargparse.ArgumentParser()
+    plain.add_class_arguments(ModelCheckpoint, "checkpoint")
+    plain.add_class_arguments(L.Trainer, "trainer")
+    lightning_default = {a.dest: a.default for a in plain._actions if "." in a.dest}
+    changed = [a for dest, a in actions.items() if dest in lightning_default and a.default != lightning_default[dest]]
+    assert {"checkpoint.monitor", "checkpoint.save_last", "checkpoint.filename", "trainer.logger"} <= {
+        a.dest for a in changed}
+    wrong = []
+    for action in changed:
+        stated = re.findall(r"[Dd]efault[^`.]{0,30}``([^`]+)``", action.help or "")  # Lightning's "Default: ``X``"
+        if any(s.strip("'\"") != str(action.default) for s in stated):
+            wrong.append(f"--{action.dest}: help says the default is {stated}, specstop's is {action.default!r}")
+        elif isinstance(action.default, (str, int, float, bool)) and str(action.default) not in action.help:
+            wrong.append(f"--{action.dest}: help does not state specstop's default {action.default!r}")
+    assert not wrong, wrong
+
+    for cls in _specstop_train_classes():
+        parser = jsonargparse.ArgumentParser()
+        parser.add_class_arguments(cls, "x")
+        params = [a.dest[2:] for a in parser._actions if a.dest.startswith("x.")]
+        undocumented = [p for p in params if not parser._option_string_actions[f"--x.{p}"].help]
+        # "lr: Adam learning rate. weight_decay: ..." on one docstring line documents two as one
+        glued = [p for p in params for q in params
+                 if q != p and f"{q}:" in (parser._option_string_actions[f"--x.{p}"].help or "")]
+        assert not undocumented and not glued, f"{cls.__name__}: no help: {undocumented}; help of two in one: {glued}"
 
 
 def test_dashes_spell_any_dotted_flag_and_shared_short_flags_are_left_out(tmp_path):

@@ -51,8 +51,8 @@ class DecodeSettings(PairSettings):
     """Sampling: keep the k most likely tokens (0 disables)."""
     top_p: float = setting(1.0, flags=("--top-p",))
     """Sampling: nucleus mass (1.0 disables)."""
-    seed: int | None = setting(None, flags=("--seed",))
-    """Seed for sampling."""
+    seed: int = setting(0, flags=("--seed",))
+    """Seed for sampling (draft samples, acceptance draws, resampling): the same seed gives the same output."""
     chat_template: bool = setting(True, flags=("--chat-template",))
     """Render the prompt with the tokenizer's chat template (--no-chat-template feeds it as is)."""
     system_prompt: str | None = setting(None, flags=("--system-prompt",))

@@ -45,7 +45,7 @@ class SweepSettings:
     w_rej: str = setting("1,3,6,12", flags=("--w-rej",))
     """Comma list of reject weights (SpecDec++: 1,3,6,12)."""
     depth: str = setting("", flags=("--depth",))
-    """Comma list of ResNet depths D (specdecpp_resnet only)."""
+    """Comma list of ResNet depths D (specdecpp_resnet only); empty = the config's."""
     lr: str = setting("", flags=("--lr",))
     """Comma list of learning rates; empty = the config's."""
     data_dir: str | None = setting(None, flags=("--data",), deprecated=("--data-dir",), metavar="DIR")

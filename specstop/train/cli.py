@@ -142,6 +142,7 @@ class SpecstopCLI(LightningCLI):
                 ],
             }
         )
+        describe_changed_defaults(parser)
         parser.add_argument(
             "--evaluate_after_fit",
             type=bool,
@@ -181,6 +182,33 @@ class SpecstopCLI(LightningCLI):
         if report.get("best_checkpoint"):
             print(f"best checkpoint: {report['best_checkpoint']}")
             print(f"metrics: {Path(report['metrics_path']).resolve()}")
+
+
+#: Help of the Lightning arguments whose default specstop changes (Lightning's own text states
+#: Lightning's default, which `specstop train` does not use).
+CHANGED_DEFAULTS_HELP = {
+    "checkpoint.monitor": "quantity that ranks the epochs (specstop: val_auroc, the validation AUROC; "
+                          "Lightning's None keeps only the last epoch)",
+    "checkpoint.mode": "max or min: whether a higher or a lower monitored value is better (specstop: max, "
+                       "for val_auroc)",
+    "checkpoint.save_top_k": "how many of the best epochs to keep (specstop: 1; 0 keeps none, -1 keeps all)",
+    "checkpoint.filename": "the best checkpoints' file name, with named formatting fields (specstop: "
+                           "best-{epoch:02d}-{val_auroc:.4f})",
+    "checkpoint.auto_insert_metric_name": "put 'name=' before each formatted metric in filename (specstop: "
+                                          "False, as the filename spells the names itself)",
+    "checkpoint.save_last": "True (specstop's default) also writes last.ckpt after every epoch, whether or "
+                            "not the epoch was the best, so an interrupted run resumes from its latest "
+                            "epoch (--ckpt_path); 'link' links it instead of copying; False writes none",
+    "trainer.logger": "the run's loggers (specstop: a CSVLogger and a TensorBoardLogger in "
+                      f"{DEFAULT_LOG_DIR}, which --trainer.default_root_dir moves); False disables logging",
+}
+
+
+def describe_changed_defaults(parser) -> None:
+    """Give the arguments whose default specstop changes a help that states specstop's default."""
+    for action in parser._actions:
+        if action.dest in CHANGED_DEFAULTS_HELP:
+            action.help = CHANGED_DEFAULTS_HELP[action.dest]
 
 
 def check_train_outputs(cfg) -> None:

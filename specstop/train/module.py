@@ -27,11 +27,14 @@ class PredictorModule(L.LightningModule):
     """Train a stopping predictor with weighted BCE.
 
     Args:
-        family: registry name (``disco_ffn``, ``specdecpp_resnet``, ``mcsd_hidden_mlp``, ``mcsd_topk_mlp``).
+        family: registry name (``disco_ffn``, ``specdecpp_resnet``, ``mcsd_hidden_mlp``, ``mcsd_topk_mlp``,
+            ``tree_node_mlp``).
         predictor_config: the family's dataclass config as a dict (missing keys take defaults).
         label: label column; None takes the family's ``default_label``.
-        w_acc, w_rej: weights of the accept / reject terms of the loss.
-        lr: Adam learning rate. weight_decay: Adam weight decay.
+        w_acc: weight of the loss's accept term, y * log sigmoid(z) (SpecDec++: 1).
+        w_rej: weight of the loss's reject term, (1 - y) * log sigmoid(-z) (SpecDec++ sweeps 1, 3, 6, 12).
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
         schedule: ``"cosine"`` (per step, from lr to 0 over the run: SpecDec++), ``"step_halving"``
             (x0.5 after every epoch: MCSD) or ``"constant"``.
         hidden_size: the dataset's hidden width, linked from ``data.hidden_size``; fills
