@@ -291,6 +291,70 @@ def test_target_init_needs_its_flag_and_a_static_shape(tiny_pair_dir, capsys):
     assert obj["counters"]["policy"] == "mcsd:2,1+target-init:2" and obj["counters"]["lossless"] is False
 
 
+def _target_init_reference(pair, ids: list[int], n: int, branching: list[int], t_init: int,
+                           pick=lambda lengths: max(range(len(lengths)), key=lambda j: (lengths[j], -j))):
+    """Improved MCSD's target-initialized generation, greedy, by brute force (full forwards, no cache).
+
+    Every round: the target's top ``t_init`` tokens after the sequence are the candidates; below each,
+    the draft's top ``branching[d]`` tokens at depth d make the static tree; the target's greedy
+    walk accepts a path below each candidate, and ``pick`` chooses the candidate whose path is emitted
+    (the paper: the longest accepted path; ties: the earliest candidate).
+
+    Returns:
+        ``(tokens, picks, accepted)``: the output, the picked candidate's index and its accepted path
+        length per round.
+    """
+    from specstop.decode.chain import eos_token_ids
+
+    eos, seq, out, picks, accepted = eos_token_ids(pair), list(ids), [], [], []
+
+    def top(model, prefix: list[int], k: int) -> list[int]:
+        logits = model(input_ids=torch.tensor([prefix])).logits[0, -1, : pair.vocab_size]
+        return logits.topk(k).indices.tolist()
+
+    with torch.no_grad():
+        while len(out) < n:
+            below = min(len(branching), n - len(out) - 1)
+            cands = top(pair.target, seq, t_init if below > 0 else 1)
+            paths = []
+            for c in cands:
+                path = []  # the target's argmax after seq + [c] + path, while the draft proposed it
+                while len(path) < below and ([c] + path)[-1] not in eos:
+                    want = top(pair.target, seq + [c] + path, 1)[0]
+                    if want not in top(pair.draft, seq + [c] + path, branching[len(path)]):
+                        break
+                    path.append(want)
+                paths.append([c] + path)
+            j = 0 if below == 0 else pick([len(p) for p in paths])
+            picks.append(j)
+            accepted.append(len(paths[j]) - 1)
+            seq += paths[j]
+            out += paths[j]
+            if paths[j][-1] in eos:
+                break
+    return out, picks, accepted
+
+
+@pytest.mark.parametrize("spec", ["mcsd:1,1,1", "mcsd:3,2,1"])
+@pytest.mark.parametrize("t_init", [2, 3])
+def test_target_init_emits_the_candidate_with_the_longest_accepted_path(spec, t_init):
+    """Which of the target's T tokens each round emits: the one whose drafted continuation the target
+    accepts longest (ties: the earliest), as a brute-force replay of the rule decides."""
+    pair = tiny_pair(seed=3)
+    branching = list(parse_tree_policy(spec).branching)
+    prompts = [[5, 9, 17, 3], [11, 2, 40, 8, 8, 30], [7], [21, 4, 4, 19, 2]]
+    not_first = other_output = 0
+    for ids in prompts:
+        want, picks, accepted = _target_init_reference(pair, ids, 16, branching, t_init)
+        got = TreeDecoder(pair, parse_tree_policy(spec), target_init=t_init).generate(ids, 16)
+        assert got.token_ids == want, f"prompt {ids}: the rule picks candidates {picks} per round"
+        assert got.accepted_per_round == accepted
+        not_first += sum(j > 0 for j in picks)
+        # The check can tell the rule apart: the target's top token every round is another output.
+        other_output += _target_init_reference(pair, ids, 16, branching, t_init, pick=lambda lengths: 0)[0] != want
+    assert not_first >= 1 and other_output >= 1
+
+
 @pytest.mark.parametrize("spec", ["mcsd:2,1", "mcsd:3,2,1"])
 def test_target_init_runs_and_one_target_token_is_lossless(spec):
     pair = tiny_pair(seed=3)
