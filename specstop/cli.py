@@ -36,7 +36,30 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("specstop.pipeline.cli", "pair -> data -> train -> tune -> eval -> export, resumable"),
 }
 
-__all__ = ["COMMANDS", "UserError", "main", "run_command"]
+#: What Ctrl-C leaves and what to do next, per command. Only the commands that pick up where they
+#: stopped (finished shards, pipeline stages, downloaded parts) say a rerun resumes.
+INTERRUPTED: dict[str, str] = {
+    "fetch-pair": "interrupted; downloaded parts and converted models are kept: rerun the same command to "
+                  "continue from them",
+    "info": "interrupted",
+    "generate": "interrupted; finished shards are kept: rerun the same command to resume (it generates only "
+                "the unfinished shards)",
+    "train": "interrupted outside the training epochs (an interrupted epoch prints its own resume command): rerun "
+             "the same command, with --ckpt_path CHECKPOINT_DIR/last.ckpt to continue from the last saved epoch",
+    "sweep": "interrupted; the finished runs' rows are in --out's sweep.json, but sweep does not resume: a rerun "
+             "trains every grid point again and rewrites sweep.json (copy it first to keep it)",
+    "calibrate-cost": "interrupted; no cost model was written (it is written when the measuring ends): rerun "
+                      "the same command to measure again",
+    "tune": "interrupted; no tuned file was written: rerun the same command (tuning starts over)",
+    "eval": "interrupted; no report was written (an earlier one in --out is unchanged): rerun the same command",
+    "export": "interrupted; nothing was exported (an export moves into --out only when complete): rerun the "
+              "same command",
+    "decode": "interrupted",
+    "pipeline": "interrupted; finished stages (and a data stage's finished shards) are kept: rerun the same "
+                "command to resume from the interrupted stage",
+}
+
+__all__ = ["COMMANDS", "INTERRUPTED", "UserError", "main", "run_command"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -101,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         check_supported_versions()  # one line naming the releases needed, before any traceback from them
         return run_command(name, rest)
     except KeyboardInterrupt:
-        print(f"specstop {name}: interrupted; finished work is kept, rerun the same command to resume", file=sys.stderr)
+        print(f"specstop {name}: {INTERRUPTED.get(name, 'interrupted')}", file=sys.stderr)
         return 130
     except Exception as err:
         # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
@@ -121,9 +144,16 @@ def main(argv: list[str] | None = None) -> int:
 MAX_MESSAGE = 2000  # an echoed value (a YAML alias bomb's expansion) must not flood the terminal
 
 
+CAP_TAIL = 400  # a message ends with its fix: the end of a long one is kept
+
+
 def cap(text: str, limit: int = MAX_MESSAGE) -> str:
-    """``text`` cut to ``limit`` characters (the cut is marked)."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
+    """``text`` cut to about ``limit`` characters in the middle (the cut is marked), so the problem at
+    its start and the fix at its end both stay."""
+    if len(text) <= limit:
+        return text
+    tail = min(CAP_TAIL, limit // 2)
+    return f"{text[:limit - tail]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
 
 def _write_failure(err: BaseException) -> str | None:

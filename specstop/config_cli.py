@@ -358,7 +358,12 @@ class TypedCommand:
             raise UserError(f"missing {', '.join(missing)}; see {self.prog} --help")
         from specstop.config_io import check_named_settings
 
-        check_named_settings(values, lambda path: self._typed.get(path, (f"--{path}", None))[0])
+        def spelled(key: str) -> str:  # the flag the user gave, else the config file the value came from
+            if key in self._typed:
+                return self._typed[key][0]
+            return f"{path}: {key}" if path is not None else f"--{key}"
+
+        check_named_settings(values, spelled)
         flags = argparse.Namespace(**{k: v for k, v in vars(built).items() if k not in top})
         return settings, flags
 

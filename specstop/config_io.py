@@ -256,7 +256,7 @@ def dataclass_from_dict(cls: type, data: Any, where: str = "", source: str | Non
     for key, value in data.items():
         if key not in names:
             raise UserError(
-                f"{prefix}unknown config key {where + str(key)!r}; valid keys"
+                f"{prefix}unknown config key {short(where + str(key))}; valid keys"
                 f"{' in ' + where.rstrip('.') if where else ''}: {', '.join(names)}"
             )
         hint = hints[key]

@@ -154,11 +154,14 @@ def run(args: EvalSettings) -> int:
     check_range("--mc-repeats", args.mc_repeats, low=1)
     check_report_target(Path(args.out), args.overwrite)
     tuned = read_tuned(args.tuned)
-    cost = load_cost_model_arg(args.cost_model or tuned.get("cost_model"), force=args.force_cost)
+    cost = load_cost_model_arg(args.cost_model or tuned.get("cost_model"), force=args.force_cost,
+                               recorded_in=None if args.cost_model else tuned["_path"])
     check_tuned_pair(tuned, args.data)
     data = load_replay_data(args.data, args.split)
-    ckpts = {**tuned.get("checkpoints", {}), **parse_checkpoint_args(args.checkpoint)}
-    info, skipped = score_checkpoints(data, args.data, args.split, ckpts)
+    given = parse_checkpoint_args(args.checkpoint)
+    ckpts = {**tuned.get("checkpoints", {}), **given}
+    info, skipped = score_checkpoints(data, args.data, args.split, ckpts, recorded_in=tuned["_path"],
+                                      recorded=set(ckpts) - set(given))
     sl_max = max([DEFAULT_SL_MAX] + [int(p["spec"].get("sl_max") or 0) for p in tuned["policies"].values()])
     data = replayable(data, args.data, args.split, repeats=args.mc_repeats, max_steps=sl_max)
     # Predictors that could not even be tuned stay listed as skipped, with the tuner's reason.

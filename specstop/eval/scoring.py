@@ -148,12 +148,15 @@ def family_rule(family: str, feature_kind: str) -> tuple[str, str]:
     return FAMILY_RULES.get(family, ("below", feature_kind))
 
 
-def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict) -> tuple[dict, dict]:
+def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict, *,
+                      recorded_in: str | None = None, recorded: frozenset | set = frozenset()) -> tuple[dict, dict]:
     """Score ``data`` with every ``{name: checkpoint path}``.
 
     A predictor the user named (``--checkpoint``, or a tuned file's ``checkpoints``) must load and
     score: a missing path, an export folder, a tuned.json or a bare ``.safetensors`` file is an
-    error naming it, never a "skipped" line in a log that leaves it out of the results.
+    error naming it, never a "skipped" line in a log that leaves it out of the results. A checkpoint
+    whose path the tuned file ``recorded_in`` holds (its names in ``recorded``) is named as that
+    file's entry, with the flag that replaces it.
 
     Returns:
         (info: {name: {"family", "rule", "reads", "path", "label"}}, skipped: {} - kept for callers).
@@ -169,7 +172,7 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
         try:
             predictor, meta = load_predictor(path)
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
-            raise _unusable(name, path, err) from None
+            raise _unusable(name, path, err, recorded_in if name in recorded else None) from None
         # Scores of a predictor on another pair's features would be meaningless, not just worse.
         check_same_pair(
             (meta.get("dataset") or {}).get("pair") if isinstance(meta.get("dataset"), dict) else None, data_pair,
@@ -178,8 +181,10 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
         )
         try:
             score_split(data, data_dir, split, name, predictor)
+        except UserError:
+            raise  # the data does not fit the predictor (no hidden states, another width): it says so
         except (FileNotFoundError, IsADirectoryError, ValueError, KeyError, ImportError) as err:
-            raise _unusable(name, path, err) from None
+            raise _unusable(name, path, err, recorded_in if name in recorded else None) from None
         family = meta.get("family") or predictor.family
         rule, reads = family_rule(family, predictor.feature_spec.kind)
         info[name] = {
@@ -192,7 +197,12 @@ def score_checkpoints(data: ReplayData, data_dir, split: str, checkpoints: dict)
     return info, skipped
 
 
-def _unusable(name: str, path, err: BaseException) -> UserError:
+def _unusable(name: str, path, err: BaseException, recorded_in: str | None = None) -> UserError:
+    if recorded_in is not None:
+        return UserError(
+            f"{recorded_in} names checkpoint {name}={path}, which cannot be used: {err} (give the checkpoint that "
+            f"was tuned with --checkpoint {name}=PATH, or re-run specstop tune)"
+        )
     return UserError(
         f"checkpoint {name}={path} cannot be used: {err} (a predictor named explicitly must load; give the .ckpt "
         "that `specstop train` printed, or drop it)"

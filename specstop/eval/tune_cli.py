@@ -95,9 +95,12 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def load_cost_model_arg(spec, *, force: bool = False) -> CostModel:
+def load_cost_model_arg(spec, *, force: bool = False, recorded_in: str | None = None) -> CostModel:
     """``--cost-model``: a preset name or a cost.json, with every problem as a one-line user error; a
-    measured table that fails its check (:mod:`specstop.eval.cost_check`) is refused unless ``force``."""
+    measured table that fails its check (:mod:`specstop.eval.cost_check`) is refused unless ``force``.
+
+    ``recorded_in``: the tuned file ``spec`` was read from (no --cost-model given); errors name it.
+    """
     if isinstance(spec, str) and spec not in PRESETS and Path(spec).is_file():
         doc = read_json(spec, "cost model file")
         if not isinstance(doc, dict):
@@ -105,7 +108,10 @@ def load_cost_model_arg(spec, *, force: bool = False) -> CostModel:
     try:
         cost = load_cost_model(spec)
     except (ValueError, TypeError) as err:  # every failure here is about the given preset/file
-        raise UserError(f"--cost-model {spec if isinstance(spec, str) else '(from the tuned file)'}: {err}") from None
+        if recorded_in is not None:
+            raise UserError(f"{recorded_in}: its cost_model cannot be used: {err}; pass --cost-model (a preset or a "
+                            "cost.json from specstop calibrate-cost) to price with another") from None
+        raise UserError(f"--cost-model {spec if isinstance(spec, str) else '(a mapping)'}: {err}") from None
     for problem in require_usable(cost, force=force):
         log.warning("pricing with a cost table that fails its check (--force-cost): %s", problem)
     return cost

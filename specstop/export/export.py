@@ -393,8 +393,15 @@ def export_from_files(
         ckpt = checkpoint or (t.get("checkpoints") or {}).get(name)
         if not ckpt:
             raise ExportError(f"policy {name!r} is a learned predictor: pass --checkpoint (tuned.json lists none for it)")
+        try:
+            predictor, meta = load_predictor(ckpt)
+        except UserError as err:
+            if checkpoint:
+                raise
+            raise ExportError(f"{tuned} names checkpoint {ckpt} for policy {name!r}, which cannot be used: {err} "
+                              "(give the checkpoint that was tuned with --checkpoint PATH, or re-run specstop tune)"
+                              ) from None
         checkpoint = ckpt
-        predictor, meta = load_predictor(ckpt)
     elif checkpoint:
         raise ExportError(f"policy {name!r} ({spec.label}) is not a learned predictor: drop --checkpoint")
     # The checkpoint records its dataset as a summary dict (with data_dir); tuned.json as a path.

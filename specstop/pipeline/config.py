@@ -136,7 +136,11 @@ class PipelineConfig(PairSettings):
             if isinstance(f, str):
                 f = {"name": f}
             cfg.families.append(dataclass_from_dict(FamilySpec, f, "families.", str(path)))
-        cfg.validate(str(path))
+        try:
+            cfg.validate(str(path))
+        except UserError as err:  # every value checked here is the file's: name it
+            text = str(err)
+            raise type(err)(text if text.startswith(f"{path}:") else f"{path}: {text}") from None
         return cfg
 
     def validate(self, source: str = "the pipeline config") -> None:

@@ -1,0 +1,118 @@
+"""What specstop says advises the right fix: Ctrl-C says what each command kept, a long message keeps
+its fix, and a bad value is blamed on the file it came from (config, tuned file), not on a flag
+nobody gave or a checkpoint nobody named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _export_fixtures import write_checkpoint, write_tuned
+from test_faults_inputs import one_line_error
+
+import specstop.cli as cli
+from specstop.cli import COMMANDS, main
+from specstop.errors import UserError
+from specstop.policy import PolicySpec
+
+RESUMING = {"fetch-pair", "generate", "pipeline"}  # a rerun picks up finished parts, shards or stages
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_ctrl_c_says_what_was_kept_and_only_resuming_commands_promise_a_resume(name, monkeypatch, capsys):
+    def interrupted(command, argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_command", interrupted)
+    assert main([name]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"specstop {name}: interrupted"), err
+    line = err[0]
+    promises = "rerun the same command to resume" in line or "rerun the same command to continue" in line
+    assert promises == (name in RESUMING), line
+    if name == "train":  # a rerun starts over; resuming needs Lightning's --ckpt_path
+        assert "--ckpt_path" in line and "last.ckpt" in line
+    if name == "sweep":  # its rerun retrains the whole grid
+        assert "does not resume" in line
+
+
+def test_a_long_message_keeps_its_fix(monkeypatch, capsys):
+    def fails(command, argv):
+        raise UserError("bad value " + "x" * 5000 + "; the fix: give a short one")
+
+    monkeypatch.setattr(cli, "run_command", fails)
+    line = one_line_error(capsys, main(["decode"]), "specstop decode: error: bad value xxx",
+                          "characters left out", "; the fix: give a short one (SPECSTOP_DEBUG=1")
+    assert len(line) < 2600
+
+
+def test_an_unknown_config_key_is_echoed_short_and_the_valid_keys_follow(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"? {'k' * 3000}\n: 1\n")  # an explicit key: YAML's plain keys stop at 1024 characters
+    line = one_line_error(capsys, main(["generate", "--config", str(cfg)]), f"{cfg}: unknown config key 'kkk",
+                          "valid keys: pair, draft, target")
+    assert len(line) < 700
+
+
+def test_a_bad_value_from_the_config_file_names_the_file_not_a_flag(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("generation:\n  temperature: 99999\n")
+    line = one_line_error(capsys, main(["generate", "--config", str(cfg), "--data", str(tmp_path / "d")]),
+                          f"{cfg}: generation.temperature must be 0 (greedy)")
+    assert "--generation.temperature" not in line
+    # The same value given as a flag is named by the flag the user typed.
+    one_line_error(capsys, main(["generate", "--config", str(cfg), "--data", str(tmp_path / "d"), "--temperature",
+                                 "-1"]), "--temperature must be >= 0")
+
+
+def test_a_pipeline_file_value_out_of_range_names_the_file(tmp_path, capsys):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pair: x\ntune: {repeats: 0}\n")
+    one_line_error(capsys, main(["pipeline", "--config", str(cfg)]), f"{cfg}: tune.repeats must be >= 1")
+
+
+def _tuned_with_moved_checkpoint(tmp_path, data) -> tuple:
+    spec = PolicySpec(kind="predictor", family="disco_ffn", threshold=0.5)
+    moved = tmp_path / "moved" / "best.ckpt"
+    return write_tuned(tmp_path / "tuned.json", {"d": spec}, data, {"d": moved}, best="d"), moved
+
+
+def test_eval_names_the_tuned_file_for_its_checkpoint_and_cost_model(synth_dir, tmp_path, capsys):
+    tuned, moved = _tuned_with_moved_checkpoint(tmp_path, synth_dir)
+    doc = json.loads(tuned.read_text())
+    stale_cost = doc["cost_model"]  # an older tuned file's cost model: a key this version does not know
+    doc["cost_model"] = {"t_draft": 0.01, "t_target": 0.03}
+    tuned.write_text(json.dumps(doc))
+    base = ["eval", "--data", str(synth_dir), "--tuned", str(tuned), "--out", str(tmp_path / "rep")]
+    line = one_line_error(capsys, main(base), f"{tuned} names checkpoint d={moved}, which cannot be used",
+                          "--checkpoint d=PATH")
+    assert "that `specstop train` printed, or drop it" not in line  # nothing to drop: the tuned file named it
+    # --checkpoint replaces it; a wrong path given there is the flag's, with the usual fix.
+    line = one_line_error(capsys, main([*base, "--checkpoint", f"d={tmp_path / 'other.ckpt'}"]),
+                          f"checkpoint d={tmp_path / 'other.ckpt'} cannot be used")
+    assert str(tuned) not in line
+    tuned.write_text(json.dumps({**doc, "cost_model": stale_cost}))
+    line = one_line_error(capsys, main(base), f"{tuned}: its cost_model cannot be used: unknown cost model keys",
+                          "pass --cost-model")
+    assert "--cost-model (from the tuned file)" not in line
+
+
+def test_export_names_the_tuned_file_for_its_checkpoint(tmp_path, capsys):
+    tuned, moved = _tuned_with_moved_checkpoint(tmp_path, tmp_path / "data")
+    one_line_error(capsys, main(["export", "--tuned", str(tuned), "--out", str(tmp_path / "e")]),
+                   f"{tuned} names checkpoint {moved} for policy 'd', which cannot be used",
+                   "--checkpoint PATH")
+
+
+def test_data_without_hidden_states_is_the_datas_problem_not_the_checkpoints(tmp_path, capsys):
+    from specstop.testing import write_synthetic_dataset
+
+    data = write_synthetic_dataset(tmp_path / "data", {"train": 4, "validation": 4, "test": 2}, 16,
+                                   with_rollouts=True)
+    ckpt = tmp_path / "h.ckpt"
+    write_checkpoint(ckpt, "specdecpp_resnet", hidden_size=16)
+    line = one_line_error(capsys, main(["tune", "--data", str(data), "--checkpoint", f"h={ckpt}", "--cost-model",
+                                        "reference-cpu", "--sl-max-grid", "4", "--out", str(tmp_path / "t.json")]),
+                          f"predictor 'h' reads draft hidden states but {data} has none",
+                          "regenerate with hidden states")
+    assert "give the .ckpt" not in line  # the checkpoint is fine: another one would not help
