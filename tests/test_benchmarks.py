@@ -7,6 +7,7 @@ The example command lines in each script's docstring parse with its own argument
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 import sys
@@ -40,6 +41,8 @@ SMOKE = {
 SMOKE_ELSEWHERE = {
     "batch_throughput.py": ("test_batch_schedule.py", "test_batch_throughput_benchmark_runs"),
     "stopping_ceiling.py": ("test_stopping_ceiling.py", "test_the_benchmark_writes_feature_aurocs_and_validation_tuned_shapes"),
+    # vLLM runs in its own venv: marked `vllm` (make test-vllm), skipped without it (below).
+    "vllm_serving.py": ("test_benchmarks.py", "test_vllm_serving_smoke_run"),
 }
 
 
@@ -163,3 +166,82 @@ def test_docstring_examples_parse(script):
         target = re.sub(r"^benchmarks/", "", argv[1])
         assert (BENCH / target).is_file(), f"{script}: {command} names a script that is not there"
         parse_script(BENCH / target, argv[2:])
+
+
+VLLM_VENV = Path(os.environ.get("SPECSTOP_VLLM_VENV") or REPO / ".venv-vllm")
+needs_vllm = pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").is_file(),
+                                reason=f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` (vLLM's CPU build in its own venv)")
+
+
+def _serving_rows(record: dict) -> dict:
+    """``{(method, B): summary row}``; every row's greedy outputs equal vLLM's without speculation."""
+    rows = {}
+    for name, by_b in record["summary"].items():
+        for b, row in by_b.items():
+            assert row["identical"] == row["prompts"], (name, b, row["differing"])
+            assert row["tok_s"]["median"] > 0 and row["speedup"] > 0, (name, b)
+            if name != "no_spec":
+                assert row["spec"]["drafts"] > 0 and row["spec"]["accepted_tokens"] > 0, (name, b, row["spec"])
+            rows[name, int(b)] = row
+    return rows
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
+    """--smoke: a tiny pair vLLM serves, no speculation / vLLM's draft model / a batch schedule / specstop's
+    proposer with a confidence rule, at B = 1 and 2; lossless, vLLM's counters show each method's drafts."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.json"
+    assert run_script(BENCH / "vllm_serving.py", ["--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [m["name"] for m in record["methods"]] == ["no_spec", "draft_k2", "schedule", "specstop_confidence"]
+    rows = _serving_rows(record)
+    assert set(rows) == {(m["name"], b) for m in record["methods"] for b in (1, 2)}
+    assert rows["draft_k2", 1]["draft_len"] == rows["draft_k2", 2]["draft_len"] == 2
+    assert rows["schedule", 1]["draft_len"] == 2 and 1 <= rows["schedule", 2]["draft_len"] < 1.5  # schedule 1:2,2:1
+    assert 1 <= rows["specstop_confidence", 1]["draft_len"] <= 4  # SL_max 4
+    assert record["versions"]["vllm"] and record["versions"]["torch"] and record["host"]["cpu_model"]
+    assert set(record["reference"]) == {"1", "2"}  # no_spec's top-2 logprobs, for the gap where outputs differ
+    assert len(record["runs"]) == 4 * 2 and not record["errors"]
+    table = out.with_suffix(".md").read_text()
+    assert "| specstop_confidence | 2 |" in table and "None: every method's greedy output equals" in table
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serving_runs_exported_settings(tmp_path, monkeypatch):
+    """--engines (a `specstop export --for hf,vllm` folder) by option name, its draft name replaced by
+    --draft; static_opt's K joins the grid; --policy runs a learned export through specstop's proposer."""
+    from _usage_fixtures import usage_fixtures
+
+    from specstop.cli import main
+    from specstop.testing import save_vllm_tiny_pair
+
+    monkeypatch.chdir(tmp_path)
+    pair = save_vllm_tiny_pair(tmp_path / "pair")
+    fx = usage_fixtures(tmp_path / "fx", pair)  # static K 3, heuristic, confidence 0.4 / SL_max 6, disco_ffn, a schedule
+    engines = tmp_path / "engines"
+    assert main(["export", "--tuned", str(fx.tuned), "--out", str(engines), "--for", "vllm",
+                 "--draft-name", "elsewhere/draft", "--target-name", str(pair / "target")]) == 0
+    out = tmp_path / "out.json"
+    args = ["--draft", str(pair / "draft"), "--target", str(pair / "target"), "--engines", str(engines),
+            "--policy", str(fx.export), "--prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1,2",
+            "--k-grid", "2", "--passes", "1", "--repeats", "1", "--warmup-tokens", "4", "--process", "pass",
+            "--dtype", "float32", "--kv-cache-gib", "1", "--out", str(out),
+            "--methods", "draft_k3,schedule,specstop_confidence,specstop_learned,specstop_heuristic"]
+    assert run_script(BENCH / "vllm_serving.py", args) == 0
+    record = json.loads(out.read_text())
+    methods = {m["name"]: m for m in record["methods"]}
+    assert list(methods) == ["no_spec", "draft_k3", "schedule", "specstop_confidence", "specstop_learned",
+                             "specstop_heuristic"]
+    assert methods["draft_k3"]["source"] == "--engines static_opt"
+    assert methods["schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 3], [4, 4, 2]]
+    for name in ("schedule", "specstop_confidence", "specstop_heuristic"):
+        assert methods[name]["draft_replaced"] == {"from": "elsewhere/draft", "to": str(pair / "draft")}, name
+    assert methods["specstop_confidence"]["additional_config"]["specstop"]["policy"]["threshold"] == 0.4
+    assert methods["specstop_learned"]["additional_config"]["specstop"] == {"draft": str(pair / "draft"),
+                                                                            "policy": str(fx.export.resolve())}
+    rows = _serving_rows(record)
+    assert rows["draft_k3", 1]["draft_len"] == rows["schedule", 1]["draft_len"] == 3  # schedule: K 3 below B = 4
+    assert 1 <= rows["specstop_confidence", 1]["draft_len"] <= 6 and 1 <= rows["specstop_learned", 1]["draft_len"] <= 6

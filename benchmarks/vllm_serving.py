@@ -1,0 +1,835 @@
+"""Serving throughput in vLLM: no speculation, vLLM's draft model at static K, specstop's per-batch
+schedule, and specstop's proposer (confidence rule, learned export), at B concurrent requests.
+
+Greedy decoding of held-out prompts (default: the first ``--prompts`` tasks of MBPP's own test split,
+``builtin:mbpp`` tasks 11-510; specstop's MBPP recipes train on tasks 601-974 and tune on 511-600),
+rendered with the target's chat template as ``specstop generate`` renders them. At batch size B the prompts go to
+``vllm.LLM.generate`` B at a time (one call per batch of B prompts submitted together; every prompt
+once per batch size and repeat), and tokens/s is the generated tokens of all prompts over the wall
+time of those calls (prefill included, as a client sees it). Methods (``--methods`` picks a subset):
+
+* ``no_spec``: vLLM without speculation, the baseline (always run);
+* ``draft_kK``: vLLM's draft-model proposer, ``{"method": "draft_model", "model": DRAFT,
+  "num_speculative_tokens": K}`` for K in ``--k-grid`` (default 1,2,3,4,6; K = 4 is the usual
+  default, and the grid finds the best static K per B);
+* ``schedule``: vLLM's draft model with ``num_speculative_tokens_per_batch_size``, from the
+  ``batch_schedule`` of ``--engines DIR``'s vllm.json or from ``--schedule B:K,...``;
+* ``specstop_confidence``: specstop's proposer (``custom_class``) with a confidence rule:
+  ``--confidence`` tau and ``--sl-max``, or ``--engines``' tuned ``confidence_opt`` option;
+* ``specstop_learned``: specstop's proposer with a learned export (``--policy EXPORT_DIR``, or the
+  learned option of ``--engines`` exported with ``--for hf,vllm``);
+* ``specstop_heuristic``: ``--engines``' ``heuristic_opt`` through the proposer (only when named in
+  ``--methods``).
+
+``--engines DIR`` (a ``specstop export --for vllm`` folder) is used by option name as written, with
+the draft it names replaced by ``--draft`` (recorded in the output); its ``static_opt`` K joins the grid.
+
+Timing design. A speculative config is per engine, so every method needs its own ``vllm.LLM``, and
+only one engine fits in memory at a time. Restarting engines for every repeat would cost an engine
+start per (method, repeat), so instead: ``--passes`` passes (default 2) over the methods, the method
+order rotated between passes (pass p starts at method p x n_methods / passes), so drift in machine
+load falls on all methods alike; in each pass every method starts its engine once, runs ``--warmup``
+warm-up rounds (one call of the first B prompts at every B, ``--warmup-tokens`` tokens), then
+``--repeats`` repeats, each over every B in an order rotated per repeat. Tokens/s per (method, B) is
+the median over passes x repeats, with min-max and IQR. ``--passes N --repeats 1`` is fully
+interleaved (an engine start per method and repeat). Prefix caching is off, so every request
+prefills as a new request would. Each engine runs in a fresh vLLM process (``--process engine``)
+unless ``--process pass`` runs a pass's engines one after another in one process.
+
+Outputs. Greedy outputs of every method are compared with ``no_spec``'s at the same B, token for token,
+over all passes and repeats; every differing prompt is listed with the position of the first difference,
+both continuations as text, and the target's top-2 logit gap there (from an untimed pass of
+``no_spec`` with vLLM's top-2 logprobs: the logprob gap equals the logit gap). vLLM's own counters
+give drafts, drafted and accepted tokens per run. ``--out X.json`` gets the raw timings, settings,
+CPU (lscpu model and flags), vLLM/torch/transformers versions and the summary; ``X.md`` the tables;
+``X_logs/`` each vLLM process's log.
+
+vLLM runs in its own virtualenv (``make vllm-env``): this script runs in any Python with specstop and
+transformers (the project venv) and starts ``--vllm-python`` (default: ``$SPECSTOP_VLLM_VENV`` or
+``.venv-vllm``'s python, else this Python) for the engines; run directly by ``.venv-vllm/bin/python``
+it works the same. Engine settings that start in seconds on CPU: eager mode, compilation mode 0, the
+single-process executor (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``),
+all CPUs of this process's affinity (``VLLM_CPU_OMP_THREADS_BIND``, no reserved CPU),
+``--kv-cache-gib`` of KV cache; ``--engine-arg KEY=JSON`` overrides any ``vllm.LLM`` argument. The
+environment passes through (``VLLM_*`` set there win; ``LD_PRELOAD`` for the tcmalloc/libiomp vLLM's log
+suggests is not set here).
+
+    python benchmarks/vllm_serving.py --smoke --out vllm_smoke.json
+    python benchmarks/vllm_serving.py --draft ~/.cache/specstop/pairs/qwen2.5-coder-0.5b-1.5b/draft \\
+        --target ~/.cache/specstop/pairs/qwen2.5-coder-0.5b-1.5b/target --engines runs/engines \\
+        --prompts 8 --max-new-tokens 64 --batch-sizes 1,2,4,8 --out runs/vllm_serving.json
+    python benchmarks/vllm_serving.py --pair qwen2.5-coder-0.5b-1.5b --methods no_spec,draft_k4,specstop_confidence \\
+        --batch-sizes 1,8 --passes 2 --repeats 1 --out runs/vllm_serving_small.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRESS = "[vllm_serving]"
+DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
+PROPOSER_METHODS = ("specstop_confidence", "specstop_learned", "specstop_heuristic")
+ALL_METHODS = "no_spec, draft_kK, schedule, specstop_confidence, specstop_learned, specstop_heuristic"
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+# ====================================================================== the vLLM worker (vLLM's venv)
+def _spec_counters(llm) -> dict[str, float]:
+    out = dict.fromkeys(SPEC_METRICS.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
+    return out
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; a later engine start reports real problems
+        pass
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _batches(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _rotated(items: list, shift: int) -> list:
+    if not items:
+        return items
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def _top2(position_logprobs) -> list:
+    """``[[token, logprob], [token, logprob]]``: the two most likely tokens of one position's logprobs."""
+    items = [(int(tok), float(getattr(lp, "logprob", lp))) for tok, lp in position_logprobs.items()]
+    items.sort(key=lambda t: -t[1])
+    return [list(t) for t in items[:2]]
+
+
+def _say(msg: str) -> None:
+    print(f"{PROGRESS} {msg}", flush=True)
+
+
+def worker(job: dict) -> dict:
+    """Start each method's engine in turn (in this process), warm it up, time the repeats; see the module doc."""
+    import torch
+    import transformers
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    result: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
+                                 "transformers": transformers.__version__, "python": platform.python_version()},
+                    "methods": {}}
+    prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    sizes = list(job["batch_sizes"])
+    greedy = {"temperature": 0.0, "ignore_eos": bool(job["ignore_eos"])}
+    params = SamplingParams(max_tokens=job["max_tokens"], **greedy)
+    warm = SamplingParams(max_tokens=job["warmup_tokens"], **greedy)
+    for m in job["methods"]:
+        name = m["name"]
+        res: dict = {"runs": []}
+        result["methods"][name] = res
+        _say(f"{name}: starting the engine")
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(model=job["target"], speculative_config=m.get("speculative_config"),
+                      additional_config=m.get("additional_config") or {}, disable_log_stats=False, **job["engine"])
+        except Exception:  # noqa: BLE001 - reported in the output; the other methods still run
+            res["error"] = traceback.format_exc()
+            _say(f"{name}: the engine did not start")
+            continue
+        res["start_s"] = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            for _ in range(job["warmup"]):
+                for b in sizes:
+                    llm.generate(prompts[:b], warm, use_tqdm=False)
+            res["warmup_s"] = time.perf_counter() - t0
+            if m.get("reference_logprobs"):  # untimed: the target's top-2 at every position, per B
+                ref_params = SamplingParams(max_tokens=job["max_tokens"], logprobs=2, **greedy)
+                res["reference"] = {}
+                for b in sizes:
+                    ids, top2 = [], []
+                    for batch in _batches(prompts, b):
+                        for o in llm.generate(batch, ref_params, use_tqdm=False):
+                            ids.append(list(o.outputs[0].token_ids))
+                            top2.append([_top2(p) for p in (o.outputs[0].logprobs or [])])
+                    res["reference"][str(b)] = {"outputs": ids, "top2": top2}
+            for r in range(job["repeats"]):
+                for b in _rotated(sizes, job["b_shift"] + r):
+                    before = _spec_counters(llm)
+                    walls, outs = [], []
+                    for batch in _batches(prompts, b):
+                        t = time.perf_counter()
+                        got = llm.generate(batch, params, use_tqdm=False)
+                        walls.append(time.perf_counter() - t)
+                        outs += [list(o.outputs[0].token_ids) for o in got]
+                    after = _spec_counters(llm)
+                    tokens = sum(len(o) for o in outs)
+                    res["runs"].append({"repeat": r, "batch_size": b, "wall_s": sum(walls), "batch_wall_s": walls,
+                                        "tokens": tokens, "outputs": outs,
+                                        "spec": {k: after[k] - before[k] for k in after}})
+                    _say(f"{name}: B={b} repeat {r}: {tokens} tokens in {sum(walls):.2f} s "
+                         f"({tokens / max(sum(walls), 1e-9):.2f} tok/s)")
+        except Exception:  # noqa: BLE001
+            res["error"] = traceback.format_exc()
+            _say(f"{name}: failed")
+        t0 = time.perf_counter()
+        _shutdown(llm)
+        res["shutdown_s"] = time.perf_counter() - t0
+    return result
+
+
+# ====================================================================== the driver
+def _parse_ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise SystemExit(f"{what} must hold integers >= 1, got {text!r}")
+    return out
+
+
+def parse_schedule(text: str) -> list[list[int]]:
+    """``"1:4,4:2,8:1"`` -> vLLM's ``num_speculative_tokens_per_batch_size`` (ranges start at each B, the first
+    at 1; batch sizes above the last B keep its K), as ``specstop export --for vllm`` writes it."""
+    pairs = []
+    for part in text.split(","):
+        try:
+            b, k = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise SystemExit(f"--schedule takes B:K pairs, e.g. 1:4,4:2,8:1; got {part!r}") from None
+        if b < 1 or k < 0:
+            raise SystemExit(f"--schedule: batch sizes must be >= 1 and K >= 0, got {part!r}")
+        pairs.append((b, k))
+    pairs.sort()
+    ranges = []
+    for i, (b, k) in enumerate(pairs):
+        lo = 1 if i == 0 else b
+        hi = pairs[i + 1][0] - 1 if i + 1 < len(pairs) else b
+        ranges.append([lo, hi, k])
+    return ranges
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("models")
+    g.add_argument("--draft", help="draft model folder (or hub id)")
+    g.add_argument("--target", help="target model folder (or hub id)")
+    g.add_argument("--pair", help="instead of --draft/--target: a known pair name (its converted folders in the cache) "
+                                  "or a folder holding draft/ and target/")
+    g.add_argument("--dtype", default="bfloat16", help="vLLM dtype of the target (the draft runs in it too)")
+    g = p.add_argument_group("prompts and decoding")
+    g.add_argument("--prompts", type=int, default=8, help="number of held-out prompts (a multiple of the largest B)")
+    g.add_argument("--prompt-source", default="builtin:mbpp", help="specstop prompt source")
+    g.add_argument("--template", default="mbpp", help="prompt template")
+    g.add_argument("--split-scheme", default="mbpp", help="split scheme (mbpp: MBPP's own task_id split)")
+    g.add_argument("--split", default="test", help="the held-out split the prompts come from (its first N)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (default: stop at EOS)")
+    g = p.add_argument_group("methods")
+    g.add_argument("--methods", default=None,
+                   help=f"comma-separated subset of {ALL_METHODS} (default: every method the inputs allow, "
+                        "without specstop_heuristic); no_spec always runs")
+    g.add_argument("--k-grid", default="1,2,3,4,6", help="static K of vLLM's draft model (draft_kK methods)")
+    g.add_argument("--engines", type=Path, default=None,
+                   help="a `specstop export --for vllm` folder: its batch_schedule, confidence_opt, learned and "
+                        "heuristic_opt options (by name; the draft replaced by --draft), static_opt's K joins the grid")
+    g.add_argument("--schedule", default=None, help="a batch schedule B:K,... for the schedule method (overrides --engines')")
+    g.add_argument("--confidence", type=float, default=0.4,
+                   help="specstop_confidence's tau (stop after a draft token whose probability is below it); "
+                        "--engines' confidence_opt replaces it")
+    g.add_argument("--sl-max", type=int, default=8, help="specstop_confidence's cap on a draft (vLLM's num_speculative_tokens)")
+    g.add_argument("--policy", type=Path, default=None, help="a learned specstop export folder (specstop_learned)")
+    g = p.add_argument_group("timing")
+    g.add_argument("--batch-sizes", default="1,2,4,8", help="B: concurrent requests per generate call")
+    g.add_argument("--passes", type=int, default=2, help="passes over the methods, the order rotated between them")
+    g.add_argument("--repeats", type=int, default=2, help="timed repeats per engine start (each over every B)")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up rounds per engine start (each: one call per B)")
+    g.add_argument("--warmup-tokens", type=int, default=16, help="tokens per warm-up request")
+    g.add_argument("--process", choices=("engine", "pass"), default="engine",
+                   help="engine: a fresh vLLM process per engine start; pass: one process runs a pass's engines "
+                        "in turn (saves vLLM's import per engine; memory of an earlier engine may linger)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--vllm-python", default=None, help="the Python with vLLM (default: $SPECSTOP_VLLM_VENV/bin/python, "
+                                                       ".venv-vllm/bin/python, else this Python)")
+    g.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE (unless set in the environment)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM max_model_len (default: the longest prompt + max new tokens + the largest K, rounded up)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="an extra or overriding vllm.LLM argument (repeatable), e.g. enforce_eager=false")
+    p.add_argument("--dry-run", action="store_true", help="print the methods and their settings, run nothing")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-scale run on a tiny random pair vLLM can serve (built in a temporary folder unless "
+                        "--draft/--target are given): 2 prompts x 8 tokens, B = 1,2, one pass, one process; no_spec, K = 2, "
+                        "a schedule (1:2,2:1), confidence (SL_max 4); flags given override these")
+    p.add_argument("--out", type=Path, default=Path("vllm_serving.json"),
+                   help="the JSON (the tables go to the same name with .md, logs to NAME_logs/)")
+    p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        _smoke_defaults(args, argv)
+    return args
+
+
+def _smoke_defaults(args: argparse.Namespace, argv: list[str]) -> None:
+    """--smoke: small settings, unless given on the command line."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    small = {"--prompts": ("prompts", 2), "--max-new-tokens": ("max_new_tokens", 8), "--batch-sizes": ("batch_sizes", "1,2"),
+             "--k-grid": ("k_grid", "2"), "--passes": ("passes", 1), "--repeats": ("repeats", 1),
+             "--warmup-tokens": ("warmup_tokens", 4), "--process": ("process", "pass"), "--dtype": ("dtype", "float32"),
+             "--kv-cache-gib": ("kv_cache_gib", 1.0), "--schedule": ("schedule", "1:2,2:1"),
+             "--sl-max": ("sl_max", 4)}
+    for flag, (dest, value) in small.items():
+        if flag not in given:
+            setattr(args, dest, value)
+
+
+def vllm_python(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    venv = os.environ.get("SPECSTOP_VLLM_VENV")
+    for cand in ([Path(venv) / "bin" / "python"] if venv else []) + [REPO / ".venv-vllm" / "bin" / "python"]:
+        if cand.is_file():
+            return str(cand)
+    return sys.executable
+
+
+def resolve_models(args: argparse.Namespace, tmp: Path) -> tuple[str, str]:
+    if args.pair:
+        from specstop.pair.registry import converted_pair_dir
+
+        root = Path(args.pair).expanduser()
+        root = root if root.is_dir() else converted_pair_dir(args.pair)
+        if not (root / "draft").is_dir() or not (root / "target").is_dir():
+            raise SystemExit(f"--pair {args.pair}: no draft/ and target/ under {root} (specstop fetch-pair NAME first)")
+        return str(root / "draft"), str(root / "target")
+    if args.draft and args.target:
+        return str(Path(args.draft).expanduser()) if Path(args.draft).expanduser().exists() else args.draft, \
+            str(Path(args.target).expanduser()) if Path(args.target).expanduser().exists() else args.target
+    if args.smoke:
+        from specstop.testing import save_vllm_tiny_pair
+
+        pair = save_vllm_tiny_pair(tmp / "tiny_pair")
+        return str(pair / "draft"), str(pair / "target")
+    raise SystemExit("give --draft and --target (or --pair, or --smoke)")
+
+
+def load_prompts(args: argparse.Namespace, target: str) -> tuple[list[list[int]], list[str]]:
+    """The first ``--prompts`` prompts of the held-out split, rendered with the target's chat template: (ids, prompt ids)."""
+    from transformers import AutoTokenizer
+
+    from specstop.prompts import PromptSetConfig, load_prompt_set, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(target)
+    recs = [r for r in load_prompt_set(PromptSetConfig(source=args.prompt_source, template=args.template,
+                                                       split_scheme=args.split_scheme)) if r.split == args.split]
+    if len(recs) < args.prompts:
+        raise SystemExit(f"the {args.split} split of {args.prompt_source} has {len(recs)} prompts, fewer than --prompts {args.prompts}")
+    recs = recs[: args.prompts]
+    return [render_prompt(r.text, tok, chat_template=True, prompt_id=r.prompt_id) for r in recs], [r.prompt_id for r in recs]
+
+
+def _with_draft(option: dict, draft: str, named: str | None) -> tuple[dict | None, dict | None, dict | None]:
+    """(speculative_config, additional_config, replaced) of an engines-file option, its draft set to ``draft``."""
+    conf = json.loads(json.dumps(option.get("speculative_config"))) if option.get("speculative_config") else None
+    extra = json.loads(json.dumps(option.get("additional_config"))) if option.get("additional_config") else None
+    old = None
+    if conf is not None and conf.get("method") == "custom_class":
+        settings = (extra or {}).get("specstop") or {}
+        old = settings.get("draft")
+        settings["draft"] = draft
+    elif conf is not None:
+        old = conf.get("model")
+        conf["model"] = draft
+    replaced = {"from": old, "to": draft} if old is not None and old != draft else None
+    if replaced and named and old != named:
+        replaced["note"] = f"the file names the draft {named!r}"
+    return conf, extra, replaced
+
+
+def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
+    """Every method to run: ``{"name", "label", "speculative_config", "additional_config", "source"}``."""
+    from specstop.export.engines import vllm_proposer_config
+    from specstop.policy import PolicySpec
+
+    methods = [{"name": "no_spec", "label": "vLLM, no speculation", "speculative_config": None, "source": "baseline"}]
+    engines, engine_draft = {}, None
+    if args.engines is not None:
+        path = args.engines / "vllm.json" if args.engines.is_dir() else args.engines
+        if not path.is_file():
+            raise SystemExit(f"--engines {args.engines}: no vllm.json (write it with `specstop export --for vllm`)")
+        engines = json.loads(path.read_text())
+        engine_draft = engines.get("draft")
+    options = engines.get("options") or {}
+    user_grid = _parse_ints(args.k_grid, "--k-grid")
+    tuned_k = (options.get("static_opt") or {}).get("policy", {}).get("k")
+    for k in sorted(set(user_grid) | ({int(tuned_k)} if tuned_k else set())):
+        note = []
+        if k == DEFAULT_K:
+            note.append("vLLM's usual default")
+        if k == tuned_k:
+            note.append("specstop's tuned static_opt")
+        methods.append({"name": f"draft_k{k}", "label": f"vLLM draft model, K = {k}" + (f" ({', '.join(note)})" if note else ""),
+                        "speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
+                        "source": "--k-grid" if k in user_grid else "--engines static_opt"})
+    sched = None
+    if args.schedule:
+        ranges = parse_schedule(args.schedule)
+        k_max = max(r[2] for r in ranges)
+        if k_max == 0:
+            raise SystemExit("--schedule: K is 0 at every batch size; that is no_spec")
+        sched = {"speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k_max,
+                                        "num_speculative_tokens_per_batch_size": ranges}, "source": "--schedule"}
+    elif engines.get("batch_schedule"):
+        conf, _, replaced = _with_draft(engines["batch_schedule"], draft, engine_draft)
+        if conf is None:
+            print(f"{PROGRESS} --engines' batch schedule runs no speculation at any batch size: no schedule method")
+        else:
+            sched = {"speculative_config": conf, "source": "--engines batch_schedule", "draft_replaced": replaced}
+    if sched:
+        ranges = sched["speculative_config"]["num_speculative_tokens_per_batch_size"]
+        methods.append({"name": "schedule", "label": "vLLM draft model, per-batch schedule "
+                        + ", ".join(f"B {lo}-{hi}: K {k}" for lo, hi, k in ranges), **sched})
+    conf_opt = options.get("confidence_opt")
+    if conf_opt:
+        conf, extra, replaced = _with_draft(conf_opt, draft, engine_draft)
+        pol = conf_opt.get("policy") or {}
+        methods.append({"name": "specstop_confidence", "label": f"specstop proposer, confidence tau = "
+                        f"{pol.get('threshold', float('nan')):.4g}, SL_max {pol.get('sl_max')} (tuned confidence_opt)",
+                        "speculative_config": conf, "additional_config": extra, "source": "--engines confidence_opt",
+                        "draft_replaced": replaced})
+    else:
+        spec = PolicySpec(kind="confidence", threshold=float(args.confidence), sl_max=int(args.sl_max))
+        conf, extra = vllm_proposer_config(draft, spec.to_dict(), spec.cap)
+        methods.append({"name": "specstop_confidence", "label": f"specstop proposer, confidence tau = {args.confidence:g}, "
+                        f"SL_max {args.sl_max}", "speculative_config": conf, "additional_config": extra,
+                        "source": "--confidence"})
+    if args.policy is not None:
+        from specstop.export.runtime import StoppingPolicy
+
+        export = args.policy.expanduser().resolve()
+        spec = StoppingPolicy.from_pretrained(export).spec
+        conf, extra = vllm_proposer_config(draft, str(export), spec.cap)
+        methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {spec.label} "
+                        f"(SL_max {spec.cap})", "speculative_config": conf, "additional_config": extra,
+                        "source": "--policy"})
+    else:
+        learned = [(n, o) for n, o in options.items() if (o.get("policy") or {}).get("kind") == "predictor"]
+        if learned:
+            name, opt = learned[0]
+            conf, extra, replaced = _with_draft(opt, draft, engine_draft)
+            methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {name} "
+                            f"(SL_max {conf['num_speculative_tokens']})", "speculative_config": conf,
+                            "additional_config": extra, "source": f"--engines {name}", "draft_replaced": replaced})
+    if options.get("heuristic_opt"):
+        conf, extra, replaced = _with_draft(options["heuristic_opt"], draft, engine_draft)
+        pol = options["heuristic_opt"].get("policy") or {}
+        methods.append({"name": "specstop_heuristic", "label": f"specstop proposer, heuristic start {pol.get('start')}, "
+                        f"SL_max {pol.get('sl_max')} (tuned heuristic_opt)", "speculative_config": conf,
+                        "additional_config": extra, "source": "--engines heuristic_opt", "draft_replaced": replaced})
+    available = [m["name"] for m in methods]
+    if args.methods:
+        wanted = [w.strip() for w in args.methods.split(",") if w.strip()]
+        unknown = [w for w in wanted if w not in available]
+        if unknown:
+            raise SystemExit(f"--methods: {unknown} not available here; available: {available}")
+        keep = {"no_spec", *wanted}
+    else:
+        keep = set(available) - {"specstop_heuristic"}
+    return [m for m in methods if m["name"] in keep]
+
+
+def host_info() -> dict:
+    info: dict = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        info["affinity"] = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
+        info["cpu_model"] = fields.get("Model name")
+        info["cpu_flags"] = fields.get("Flags", "").split()
+        info["lscpu"] = {k: fields[k] for k in ("Architecture", "CPU(s)", "Thread(s) per core", "Core(s) per socket",
+                                                "Vendor ID", "Hypervisor vendor", "L2 cache", "L3 cache") if k in fields}
+    except (OSError, subprocess.SubprocessError):
+        from specstop.pair.hardware import cpu_flags, cpu_model_name
+
+        info["cpu_model"], info["cpu_flags"] = cpu_model_name(), sorted(cpu_flags())
+    try:
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()
+        info["mem_gib"] = round(int(mem[1]) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    return info
+
+
+def vllm_env(args: argparse.Namespace) -> dict:
+    try:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        cpus = f"0-{(os.cpu_count() or 1) - 1}"
+    env = dict(os.environ)
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}",
+                "TOKENIZERS_PARALLELISM": "false"}
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_worker(python: str, job: dict, workdir: Path, tag: str, env: dict) -> tuple[dict | None, str | None, float]:
+    """One vLLM process running ``job``; returns (its result, an error, wall seconds). Its log goes to workdir/tag.log."""
+    job_path, out_path, log_path = workdir / f"{tag}.job.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
+    job_path.write_text(json.dumps(job))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker", str(job_path), str(out_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith(PROGRESS):
+                print(line.rstrip(), flush=True)
+        rc = proc.wait()
+    wall = time.perf_counter() - t0
+    if rc != 0 or not out_path.is_file():
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
+        return None, f"the vLLM process exited with {rc} (log: {log_path}):\n{tail}", wall
+    result = json.loads(out_path.read_text())
+    out_path.unlink()
+    job_path.unlink()
+    return result, None, wall
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize(record: dict, tokenizer) -> dict:
+    """Per method and B: tok/s statistics, speedup over no_spec, acceptance, and the output comparison."""
+    sizes = record["settings"]["batch_sizes"]
+    by = {}
+    for run in record["runs"]:
+        by.setdefault((run["method"], run["batch_size"]), []).append(run)
+    ref_pass = record.get("reference") or {}
+    summary: dict = {}
+    base_med = {}
+    for b in sizes:
+        runs = by.get(("no_spec", b), [])
+        if runs:
+            base_med[b] = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+    for m in record["methods"]:
+        name = m["name"]
+        rows = {}
+        for b in sizes:
+            runs = by.get((name, b), [])
+            if not runs:
+                continue
+            tps = [r["tokens"] / r["wall_s"] for r in runs]
+            q1, q3 = _quartiles(tps)
+            med = statistics.median(tps)
+            spec = {k: sum(r["spec"][k] for r in runs) for k in SPEC_METRICS.values()}
+            row = {"tok_s": {"median": med, "min": min(tps), "max": max(tps), "q1": q1, "q3": q3, "n": len(tps),
+                             "all": tps},
+                   "speedup": med / base_med[b] if b in base_med else None,
+                   "tokens": [r["tokens"] for r in runs],
+                   "spec": spec,
+                   "accepted_per_draft": spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else None,
+                   "draft_len": spec["draft_tokens"] / spec["drafts"] if spec["drafts"] else None,
+                   "acceptance": spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None}
+            base_runs = by.get(("no_spec", b), [])
+            if base_runs:
+                ref = base_runs[0]["outputs"]
+                n = len(ref)
+                differing = []
+                for i in range(n):
+                    outs = [r["outputs"][i] for r in runs]
+                    bad = next((o for o in outs if o != ref[i]), None)
+                    if bad is None:
+                        continue
+                    pos = _first_difference(ref[i], bad)
+                    entry = {"prompt": i, "prompt_id": record["settings"]["prompt_ids"][i], "position": pos,
+                             "runs_differing": sum(o != ref[i] for o in outs), "runs": len(outs),
+                             "no_spec_tokens": ref[i][pos:pos + 8], "method_tokens": bad[pos:pos + 8]}
+                    if tokenizer is not None:
+                        entry["context"] = tokenizer.decode(ref[i][max(0, pos - 12):pos])
+                        entry["no_spec_text"] = tokenizer.decode(ref[i][pos:pos + 8])
+                        entry["method_text"] = tokenizer.decode(bad[pos:pos + 8])
+                    refb = ref_pass.get(str(b))
+                    if refb and refb["outputs"][i][:pos + 1] == ref[i][:pos + 1] and pos < len(refb["top2"][i]):
+                        top = refb["top2"][i][pos]
+                        if len(top) == 2:
+                            entry["target_top2"] = top
+                            entry["target_top2_logit_gap"] = top[0][1] - top[1][1]
+                    differing.append(entry)
+                row["identical"] = n - len(differing)
+                row["prompts"] = n
+                row["differing"] = differing
+            rows[str(b)] = row
+        summary[name] = rows
+    return summary
+
+
+def _fmt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(record: dict) -> str:
+    s, summary, sizes = record["settings"], record["summary"], record["settings"]["batch_sizes"]
+    host, versions = record["host"], record.get("versions") or {}
+    flags = " ".join(f for f in host.get("cpu_flags", []) if f.startswith(("avx", "amx", "fma", "f16c")))
+    lines = [
+        "# vLLM serving benchmark",
+        "",
+        f"- target `{s['target']}`, draft `{s['draft']}`, dtype {s['dtype']}",
+        f"- {len(s['prompt_ids'])} held-out prompts ({s['prompt_source']}, {s['split']} split: {', '.join(s['prompt_ids'])}), "
+        f"{s['max_new_tokens']} new tokens each, greedy{', EOS ignored' if s['ignore_eos'] else ', stop at EOS'}",
+        f"- B = {', '.join(map(str, sizes))}: B prompts per `LLM.generate` call, every prompt once per B and repeat",
+        f"- {record['design']}",
+        f"- CPU: {host.get('cpu_model')}, {len(host.get('affinity', [])) or host.get('cpus')} CPUs used, "
+        f"{host.get('mem_gib')} GiB; flags: {flags}",
+        f"- vLLM {versions.get('vllm')}, torch {versions.get('torch')}, transformers {versions.get('transformers')}",
+        "",
+        "tok/s = generated tokens / wall time of the generate calls (prefill included); median over "
+        f"{s['passes']} pass(es) x {s['repeats']} repeat(s), spread min-max and IQR; speedup = median / no_spec's median "
+        "at the same B; identical = prompts whose greedy output equals no_spec's at the same B in every run.",
+        "",
+        "| method | B | tok/s (median) | min-max | IQR | speedup | identical | accepted/draft | draft len |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    labels = {m["name"]: m["label"] for m in record["methods"]}
+    for m in record["methods"]:
+        name = m["name"]
+        for b in sizes:
+            row = summary.get(name, {}).get(str(b))
+            if row is None:
+                lines.append(f"| {name} | {b} | failed | | | | | | |")
+                continue
+            t = row["tok_s"]
+            ident = f"{row['identical']}/{row['prompts']}" if "identical" in row else "-"
+            lines.append(f"| {name} | {b} | {t['median']:.2f} | {t['min']:.2f}-{t['max']:.2f} | {t['q1']:.2f}-{t['q3']:.2f} "
+                         f"| {_fmt(row['speedup'], '.3f')} | {ident} | {_fmt(row['accepted_per_draft'])} | {_fmt(row['draft_len'])} |")
+    lines += ["", "Speedup over no speculation (median tok/s ratio):", "",
+              "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in record["methods"]:
+        cells = [_fmt((summary.get(m["name"], {}).get(str(b)) or {}).get("speedup"), ".3f") for b in sizes]
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    if record.get("best_static_k"):
+        lines += ["", "Best static K per B (vLLM draft model, highest median tok/s): "
+                  + ", ".join(f"B={b}: K={v['k']} ({v['speedup']:.3f}x)" for b, v in record["best_static_k"].items())]
+    lines += ["", "Methods:", ""] + [f"- `{n}`: {lab}" for n, lab in labels.items()]
+    diffs = [(m["name"], b, d) for m in record["methods"] for b in sizes
+             for d in (summary.get(m["name"], {}).get(str(b)) or {}).get("differing", [])]
+    lines += ["", "## Outputs that differ from no_spec", ""]
+    if not diffs:
+        lines.append("None: every method's greedy output equals vLLM's without speculation at every B, in every run.")
+    for name, b, d in diffs:
+        gap = f", target top-2 logit gap {d['target_top2_logit_gap']:.4f}" if "target_top2_logit_gap" in d else ""
+        lines.append(f"- `{name}` B={b} prompt {d['prompt_id']}: first difference at token {d['position']} "
+                     f"({d['runs_differing']}/{d['runs']} runs){gap}; after {d.get('context', '')!r}: no_spec "
+                     f"{d.get('no_spec_text', d['no_spec_tokens'])!r} vs {d.get('method_text', d['method_tokens'])!r}")
+    base_diff = record.get("no_spec_across_b") or []
+    if base_diff:
+        lines += ["", "no_spec itself differs between batch sizes (batched kernels): "
+                  + "; ".join(f"B={d['batch_size']} prompt {d['prompt_id']} at token {d['position']}" for d in base_diff)]
+    if record.get("errors"):
+        lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
+                                           for n, errs in record["errors"].items() for e in errs]
+    lines += ["", "Engine starts (s): " + ", ".join(f"{e['method']} {e['start_s']:.1f}" for e in record["engine_starts"]
+                                                    if e.get("start_s") is not None)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        job = json.loads(Path(args.worker[0]).read_text())
+        Path(args.worker[1]).write_text(json.dumps(worker(job)))
+        return 0
+    sizes = _parse_ints(args.batch_sizes, "--batch-sizes")
+    for name in ("prompts", "max_new_tokens", "passes", "repeats", "warmup_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        raise SystemExit("--warmup must be >= 0")
+    out = args.out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    logs = out.with_name(out.stem + "_logs")
+    tmp_holder = tempfile.TemporaryDirectory(prefix="vllm_serving_")
+    tmp = Path(tmp_holder.name)
+    try:
+        draft, target = resolve_models(args, tmp)
+        methods = build_methods(args, draft)
+        prompts, prompt_ids = load_prompts(args, target)
+        if len(prompts) % max(sizes):
+            print(f"{PROGRESS} note: {len(prompts)} prompts is not a multiple of B = {max(sizes)}: the last batch is smaller")
+        k_max = max((m["speculative_config"] or {}).get("num_speculative_tokens", 0) for m in methods)
+        max_len = args.max_model_len or -(-(max(map(len, prompts)) + args.max_new_tokens + k_max + 16) // 128) * 128
+        engine = {"dtype": args.dtype, "enforce_eager": True, "compilation_config": {"mode": 0}, "max_model_len": max_len,
+                  "max_num_seqs": max(sizes), "seed": 0, "distributed_executor_backend": "uni",
+                  "enable_prefix_caching": False}
+        for item in args.engine_arg:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise SystemExit(f"--engine-arg takes KEY=JSON, got {item!r}")
+            try:
+                engine[key] = json.loads(value)
+            except json.JSONDecodeError:
+                engine[key] = value
+        names = [m["name"] for m in methods]
+        orders = [_rotated(names, p * len(names) // args.passes) for p in range(args.passes)]
+        design = (f"{args.passes} pass(es) over the methods in rotated order ({' | '.join(', '.join(o) for o in orders)}); "
+                  f"per pass each method starts its engine once ({'a fresh vLLM process per engine' if args.process == 'engine' else 'one vLLM process per pass'}), "
+                  f"runs {args.warmup} warm-up round(s) ({args.warmup_tokens} tokens, one call per B), then {args.repeats} "
+                  "timed repeat(s), each over every B in a rotated order; prefix caching off")
+        print(f"{PROGRESS} {len(methods)} methods x {args.passes} pass(es), B = {sizes}, {len(prompts)} prompts x "
+              f"{args.max_new_tokens} tokens; max_model_len {max_len}")
+        for m in methods:
+            print(f"{PROGRESS}   {m['name']}: {m['label']}")
+        if args.dry_run:
+            print(json.dumps([{k: m.get(k) for k in ("name", "speculative_config", "additional_config")} for m in methods],
+                             indent=1))
+            return 0
+        python = vllm_python(args.vllm_python)
+        env = vllm_env(args)
+        logs.mkdir(parents=True, exist_ok=True)
+        by_name = {m["name"]: m for m in methods}
+        base = {"target": target, "engine": engine, "prompts": prompts, "batch_sizes": sizes, "max_tokens": args.max_new_tokens,
+                "ignore_eos": args.ignore_eos, "warmup": args.warmup, "warmup_tokens": args.warmup_tokens,
+                "repeats": args.repeats}
+        runs, starts, errors, versions, reference = [], [], {}, None, None
+        t_all = time.perf_counter()
+        for p, order in enumerate(orders):
+            groups = [[n] for n in order] if args.process == "engine" else [order]
+            for gi, group in enumerate(groups):
+                job = {**base, "b_shift": p * args.repeats,
+                       "methods": [{"name": n, "speculative_config": by_name[n]["speculative_config"],
+                                    "additional_config": by_name[n].get("additional_config"),
+                                    "reference_logprobs": n == "no_spec" and p == 0} for n in group]}
+                print(f"{PROGRESS} pass {p + 1}/{args.passes}: {', '.join(group)}", flush=True)
+                result, err, wall = run_worker(python, job, logs, f"pass{p + 1}_{gi:02d}_{'+'.join(group)}"[:120], env)
+                if err:
+                    for n in group:
+                        errors.setdefault(n, []).append({"pass": p + 1, "error": err})
+                    print(f"{PROGRESS} {err}", flush=True)
+                    continue
+                versions = versions or result["versions"]
+                for n in group:
+                    res = result["methods"][n]
+                    starts.append({"method": n, "pass": p + 1, "start_s": res.get("start_s"), "warmup_s": res.get("warmup_s"),
+                                   "shutdown_s": res.get("shutdown_s"), "process_s": wall if len(group) == 1 else None})
+                    if res.get("error"):
+                        errors.setdefault(n, []).append({"pass": p + 1, "error": res["error"]})
+                        print(f"{PROGRESS} {n} failed: {res['error'].strip().splitlines()[-1]}", flush=True)
+                    if res.get("reference"):
+                        reference = res["reference"]
+                    for r in res["runs"]:
+                        runs.append({"method": n, "pass": p + 1, **r, "tok_s": r["tokens"] / max(r["wall_s"], 1e-9)})
+        record = {
+            "benchmark": "vllm_serving",
+            "command": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+            "design": design,
+            "host": host_info(),
+            "versions": versions,
+            "vllm_python": python,
+            "env": {k: env[k] for k in sorted(env) if k.startswith("VLLM_") or k in ("LD_PRELOAD", "OMP_NUM_THREADS")},
+            "settings": {"draft": draft, "target": target, "dtype": args.dtype, "prompt_source": args.prompt_source,
+                         "template": args.template, "split": args.split, "prompt_ids": prompt_ids,
+                         "prompt_lengths": [len(x) for x in prompts], "max_new_tokens": args.max_new_tokens,
+                         "ignore_eos": args.ignore_eos, "batch_sizes": sizes, "passes": args.passes, "repeats": args.repeats,
+                         "warmup": args.warmup, "warmup_tokens": args.warmup_tokens, "process": args.process,
+                         "engine": engine, "method_orders": orders, "smoke": args.smoke},
+            "methods": methods,
+            "engine_starts": starts,
+            "runs": runs,
+            "reference": reference,
+            "errors": errors,
+            "total_s": time.perf_counter() - t_all,
+        }
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        except Exception:  # noqa: BLE001 - the texts are a convenience; positions and ids are kept regardless
+            tokenizer = None
+        record["summary"] = summarize(record, tokenizer)
+        best = {}
+        for b in sizes:
+            cands = [(row["tok_s"]["median"], int(name[len("draft_k"):]), row.get("speedup"))
+                     for name, rows in record["summary"].items() if name.startswith("draft_k")
+                     for bb, row in rows.items() if bb == str(b)]
+            if cands:
+                med, k, speedup = max(cands)
+                best[str(b)] = {"k": k, "tok_s": med, "speedup": speedup}
+        record["best_static_k"] = best
+        base_runs = [r for r in runs if r["method"] == "no_spec" and r["repeat"] == 0 and r["pass"] == 1]
+        first = {r["batch_size"]: r["outputs"] for r in base_runs}
+        across = []
+        if sizes[0] in first:
+            for b, outs in first.items():
+                for i, (a, o) in enumerate(zip(first[sizes[0]], outs)):
+                    if a != o:
+                        across.append({"batch_size": b, "vs_batch_size": sizes[0], "prompt_id": prompt_ids[i],
+                                       "position": _first_difference(a, o)})
+        record["no_spec_across_b"] = across
+        # Raw outputs: no_spec's once per B; every method's runs keep their outputs only where they differ.
+        record["no_spec_outputs"] = {str(b): o for b, o in first.items()}
+        for r in runs:
+            ref = first.get(r["batch_size"])
+            r["outputs_identical"] = r["outputs"] == ref if ref is not None else None
+            if r["outputs_identical"]:
+                del r["outputs"]
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        md = out.with_suffix(".md")
+        md.write_text(markdown(record))
+        print(md.read_text())
+        print(f"{PROGRESS} wrote {out} and {md} (logs: {logs}); {record['total_s']:.0f} s in all")
+        return 1 if errors else 0
+    finally:
+        tmp_holder.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
