@@ -81,22 +81,9 @@ PROGRESS = "[vllm_serving]"
 DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
 PROPOSER_METHODS = ("specstop_confidence", "specstop_learned", "specstop_heuristic")
 ALL_METHODS = "no_spec, draft_kK, schedule, specstop_confidence, specstop_learned, specstop_heuristic"
-SPEC_METRICS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
-}
 
 
 # ====================================================================== the vLLM worker (vLLM's venv)
-def _spec_counters(llm) -> dict[str, float]:
-    out = dict.fromkeys(SPEC_METRICS.values(), 0.0)
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_METRICS:
-            out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
-    return out
-
-
 def _shutdown(llm) -> None:
     import gc
 
@@ -144,6 +131,8 @@ def worker(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
+    from specstop.decode.vllm_proposer import spec_counters
+
     result: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                  "transformers": transformers.__version__, "python": platform.python_version()},
                     "methods": {}}
@@ -184,14 +173,14 @@ def worker(job: dict) -> dict:
                     res["reference"][str(b)] = {"outputs": ids, "top2": top2}
             for r in range(job["repeats"]):
                 for b in _rotated(sizes, job["b_shift"] + r):
-                    before = _spec_counters(llm)
+                    before = spec_counters(llm)
                     walls, outs = [], []
                     for batch in _batches(prompts, b):
                         t = time.perf_counter()
                         got = llm.generate(batch, params, use_tqdm=False)
                         walls.append(time.perf_counter() - t)
                         outs += [list(o.outputs[0].token_ids) for o in got]
-                    after = _spec_counters(llm)
+                    after = spec_counters(llm)
                     tokens = sum(len(o) for o in outs)
                     res["runs"].append({"repeat": r, "batch_size": b, "wall_s": sum(walls), "batch_wall_s": walls,
                                         "tokens": tokens, "outputs": outs,
@@ -549,6 +538,8 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 def summarize(record: dict, tokenizer) -> dict:
     """Per method and B: tok/s statistics, speedup over no_spec, acceptance, and the output comparison."""
+    from specstop.decode.vllm_proposer import SPEC_METRICS
+
     sizes = record["settings"]["batch_sizes"]
     by = {}
     for run in record["runs"]:

@@ -20,19 +20,7 @@ import sys
 import time
 import traceback
 
-SPEC_METRICS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
-}
-
-
-def _spec_counters(llm) -> dict[str, float]:
-    out = dict.fromkeys(SPEC_METRICS.values(), 0.0)
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_METRICS:
-            out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
-    return out
+from specstop.decode.vllm_proposer import spec_counters
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -96,11 +84,11 @@ def run(job: dict) -> dict:
         res["start_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
-            before = _spec_counters(llm)
+            before = spec_counters(llm)
             res["batch1"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-            mid = _spec_counters(llm)
+            mid = spec_counters(llm)
             res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-            res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(_spec_counters(llm), mid)}
+            res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(spec_counters(llm), mid)}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
         res["generate_s"] = time.perf_counter() - t0

@@ -54,6 +54,23 @@ from specstop.probs import DecodingConfig
 __all__ = ["PROPOSER_CLASS", "SETTINGS_KEY", "SpecstopProposer", "dynamic_k_lookup", "vllm_proposer_config"]
 
 
+#: vLLM's speculative-decoding counters (``LLM.get_metrics()``) -> the names specstop reports them by.
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's draft, drafted-token and accepted-token counts so far for an ``LLM`` (zeros without speculation)."""
+    out = dict.fromkeys(SPEC_METRICS.values(), 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
+    return out
+
+
 def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[int]:
     """``num_speculative_tokens_per_batch_size`` as vLLM expands it: index B -> K (clamped to ``k_max``;
     gaps between ranges keep the previous K, batch sizes past the last range keep its K).
