@@ -184,3 +184,53 @@ def test_settings_are_required(tiny_pair_dir):
         SpecstopProposer(cfg)
     with pytest.raises(UserError, match="export folder"):
         SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "predictor", "family": "disco_ffn"}))
+
+
+def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_dir, loaded, exports):
+    """``draft_quant``: the proposer drafts with the int4 copy of the draft (every linear replaced), its drafts
+    are that copy's argmax stopped where the policy says, and the output is still the target's."""
+    policy = {"kind": "confidence", "threshold": 0.1, "sl_max": 5}
+    cfg = _config(tiny_pair_dir / "draft", policy)
+    cfg.additional_config["specstop"]["draft_quant"] = "int4"
+    proposer = SpecstopProposer(cfg)
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    outs, rounds = _simulate(proposer, loaded, prompts, max_new=16, join_late=0)
+    assert proposer.stats["draft_quant"]["scheme"] == "int4" and proposer.stats["draft_quant"]["layers"] > 0
+    assert not any(type(m) is torch.nn.Linear for m in proposer.model.modules())
+    for p, o in zip(prompts, outs):
+        seq = list(p)
+        for t in o:
+            assert t == _greedy(loaded.target, seq, loaded.vocab_size)
+            seq.append(t)
+    quantized = SimpleNamespace(draft=proposer.model, vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
+    _check_rounds(rounds, quantized, policy, 6)
+    costs = proposer.engine_costs()  # rows of one request each step here: B = 1 and 2
+    assert set(costs["draft_per_token"]) <= {1, 2} and all(v > 0 for v in costs["draft_per_token"].values())
+    assert all(k.split("x")[0] in ("1", "2") for k in costs["target_step"])
+    # a learned export read the float draft's features: refused on the quantized copy unless allowed
+    cfg = _config(tiny_pair_dir / "draft", str(exports["disco"]))
+    cfg.additional_config["specstop"]["draft_quant"] = "int4"
+    with pytest.raises(UserError, match="allow_draft_mismatch"):
+        SpecstopProposer(cfg)
+    cfg.additional_config["specstop"]["allow_draft_mismatch"] = True
+    assert SpecstopProposer(cfg).draft_quant == "int4"
+
+
+def test_cost_sweep_drafts_exactly_each_k_and_times_it(tiny_pair_dir, loaded):
+    """``cost_sweep`` (calibrate-cost --engine vllm): every row drafts exactly K tokens, K cycling over the
+    grid per step whatever the policy says; the timings are keyed by the rows and K, and turn into a cost model."""
+    from specstop.measure.engine_cost import cost_model_from_engine
+
+    cfg = _config(tiny_pair_dir / "draft", {"kind": "confidence", "threshold": 0.99, "sl_max": 6})  # would stop at 1
+    cfg.additional_config["specstop"]["cost_sweep"] = [0, 1, 3, 5]
+    proposer = SpecstopProposer(cfg)
+    _, rounds = _simulate(proposer, loaded, [[5, 6, 7, 8]], max_new=40, join_late=0)
+    assert [len(d) for _, d, _, _ in rounds][:8] == [1, 3, 5, 0, 1, 3, 5, 0]  # K = sweep[step % 4], from step 1
+    costs = proposer.engine_costs()
+    assert {"1x0", "1x1", "1x3", "1x5"} <= set(costs["draft_call"]) and {"1x1", "1x2", "1x4", "1x6"} <= set(costs["target_step"])
+    cost = cost_model_from_engine(costs, engine="vllm test", name="sweep", machine={"cpu": "test"})
+    assert cost.provenance == "measured" and cost.machine["engine"] == "vllm test" and cost.t_draft >= 0
+    assert set(cost.target_by_k) == {0, 1, 3, 5}
+    with pytest.raises(UserError, match="cost_sweep must be"):
+        cfg.additional_config["specstop"]["cost_sweep"] = [-1]
+        SpecstopProposer(cfg)

@@ -20,9 +20,11 @@ policy spec (``{"kind": "confidence", "threshold": 0.4, "sl_max": 8}``, as in ``
 policy string (``confidence:0.4``) or an export folder (a learned predictor; checked against the
 draft as every decoder does). ``specstop export --for vllm`` writes these settings (``vllm.json``).
 ``vllm serve`` takes the same two JSON values as ``--speculative-config`` and ``--additional-config``.
+``"draft_quant": "int4"`` (or ``"int8"``) in the ``specstop`` settings quantizes the draft's weights
+as it loads (``specstop.pair.quantize``; CPU only): a cheaper draft step, verified by vLLM like any.
 
 How it drafts: per request, the draft model (transformers, in vLLM's worker process, the target's
-dtype) keeps a KV cache across rounds; a cache is matched to its request by content (vLLM's
+dtype, with specstop's CPU kernel fixes of ``specstop.pair.fast_paths``) keeps a KV cache across rounds; a cache is matched to its request by content (vLLM's
 ``propose`` names no requests), cropped to the tokens vLLM kept, fed the new ones, and then drafts
 greedily one token at a time until the policy says stop, its cap (SL_max) or ``num_speculative_tokens``
 is reached, or EOS is drafted. With ``num_speculative_tokens_per_batch_size`` the per-batch-size K
@@ -36,6 +38,8 @@ install brings both) and specstop's core install.
 
 from __future__ import annotations
 
+import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +55,12 @@ from specstop.export.runtime import StoppingPolicy
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 
-__all__ = ["PROPOSER_CLASS", "SETTINGS_KEY", "SpecstopProposer", "dynamic_k_lookup", "vllm_proposer_config"]
+__all__ = ["PROPOSER_CLASS", "SETTINGS_KEY", "SpecstopProposer", "dynamic_k_lookup", "live_proposers",
+           "vllm_proposer_config"]
 
+
+#: Settings key of the cost-calibration sweep (a list of draft lengths; see ``SpecstopProposer.cost_sweep``).
+COST_SWEEP_KEY = "cost_sweep"
 
 #: vLLM's speculative-decoding counters (``LLM.get_metrics()``) -> the names specstop reports them by.
 SPEC_METRICS = {
@@ -69,6 +77,15 @@ def spec_counters(llm) -> dict[str, float]:
         if metric.name in SPEC_METRICS:
             out[SPEC_METRICS[metric.name]] += float(getattr(metric, "value", 0.0))
     return out
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_proposers() -> list:
+    """The :class:`SpecstopProposer` objects alive in this process, oldest first (vLLM's single-process
+    engine builds them in the caller's process; benchmarks read their :meth:`~SpecstopProposer.engine_costs`)."""
+    return sorted(_LIVE, key=lambda p: p.created)
 
 
 def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[int]:
@@ -120,7 +137,7 @@ class SpecstopProposer:
         vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config`` (``num_speculative_tokens``,
             ``num_speculative_tokens_per_batch_size``), ``model_config`` (dtype, ``max_model_len``),
             ``scheduler_config.max_num_seqs`` and ``additional_config["specstop"]`` (``draft``,
-            ``policy``, optional ``allow_draft_mismatch``).
+            ``policy``, optional ``draft_quant`` and ``allow_draft_mismatch``).
 
     Raises:
         UserError: missing settings, a malformed policy, or an export made for another draft.
@@ -135,6 +152,16 @@ class SpecstopProposer:
                 "(vllm serve: --additional-config); `specstop export --for vllm` writes it"
             )
         self.draft = str(settings["draft"])
+        from specstop.pair.quantize import check_scheme
+
+        self.draft_quant = check_scheme(settings.get("draft_quant"))
+        sweep = settings.get(COST_SWEEP_KEY)
+        if sweep is not None and (not isinstance(sweep, list) or not sweep or any(int(k) < 0 for k in sweep)):
+            raise UserError(f"{PROPOSER_CLASS}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
+        #: Cost calibration (``specstop calibrate-cost --engine vllm``): every row drafts exactly
+        #: ``sweep[step % len]`` tokens (the policy still runs, its stops ignored), so the engine's
+        #: timings cover each K; None in serving.
+        self.cost_sweep = [int(k) for k in sweep] if sweep is not None else None
         self.k_max = int(spec_cfg.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.dtype = getattr(vllm_config.model_config, "dtype", torch.float32)
@@ -150,6 +177,12 @@ class SpecstopProposer:
         self._step = 0
         #: Counters since start: rounds drafted, tokens drafted, and drafts per length (for checks and logs).
         self.stats: dict[str, Any] = {"rounds": 0, "drafted": 0, "lengths": {}}
+        # Engine timings: seconds per propose call (rows, drafted tokens) and between calls, keyed by the
+        # block the target verified per row in between ("BxL": B rows of L tokens each).
+        self._timings: dict[str, Any] = {"propose": [], "target": {}, "call": {}}
+        self._last: tuple | None = None
+        self.created = time.monotonic()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ setup
     def _load_policy(self, policy: Any, allow_mismatch: bool) -> StoppingPolicy:
@@ -159,6 +192,10 @@ class SpecstopProposer:
                 raise UserError(f"{PROPOSER_CLASS}: a learned policy is given as its export folder, not as its spec")
             return StoppingPolicy.from_spec(spec)
         if isinstance(policy, str) and Path(policy).is_dir():
+            if self.draft_quant and not allow_mismatch:
+                raise UserError(f"{PROPOSER_CLASS}: the learned policy {policy} was trained on the draft's own "
+                                f"features, not on its {self.draft_quant} copy's; give a rule, or set "
+                                "allow_draft_mismatch: true to run it anyway")
             return StoppingPolicy.from_pretrained(policy, draft_identity=self.draft, allow_draft_mismatch=allow_mismatch)
         if isinstance(policy, str):
             return StoppingPolicy.from_string(policy)
@@ -171,7 +208,14 @@ class SpecstopProposer:
             return
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from specstop.pair.fast_paths import install_fast_paths
+        from specstop.pair.quantize import quantize_weights
+
         self.model = AutoModelForCausalLM.from_pretrained(self.draft, dtype=self.dtype).eval()
+        self.model.requires_grad_(False)
+        if self.draft_quant:
+            self.stats["draft_quant"] = quantize_weights(self.model, self.draft_quant)
+        install_fast_paths(self.model)
         self.vocab_size = len(AutoTokenizer.from_pretrained(self.draft))
         self.policy.configure(DecodingConfig(), self.vocab_size)
         for eos in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id):
@@ -203,11 +247,16 @@ class SpecstopProposer:
         """
         if self.model is None:
             self.load_model()
+        t_in = time.perf_counter()
         self._step += 1
         rows = len(sampled_token_ids)
         k_batch = self.k_max
         if self.k_by_batch is not None:
             k_batch = self.k_by_batch[min(max(rows, 1), len(self.k_by_batch) - 1)]
+        exact = None
+        if self.cost_sweep is not None:
+            exact = min(self.cost_sweep[self._step % len(self.cost_sweep)], k_batch)
+            k_batch = exact
         claimed: set[int] = set()
         out: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -218,8 +267,50 @@ class SpecstopProposer:
                 continue
             tokens = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
             slot = self._claim(tokens, len(sampled), claimed)
-            out.append(self._draft(slot, tokens, cap))
+            out.append(self._draft(slot, tokens, cap, exact=exact is not None))
+        self._time_step(t_in, sampled_token_ids, out)
         return out
+
+    def _time_step(self, t_in: float, sampled: list[list[int]], out: list[list[int]]) -> None:
+        """Record this call's seconds, and the target step before it when every row verified the same block."""
+        t_out = time.perf_counter()
+        rows = len(sampled)
+        if self._last is not None:
+            last_rows, block, last_out = self._last
+            if rows == last_rows and block is not None and all(sampled):
+                self._timings["target"].setdefault(f"{rows}x{block}", []).append(t_in - last_out)
+        blocks = {len(d) + 1 for d in out}
+        block = blocks.pop() if len(blocks) == 1 and all(sampled) else None
+        self._last = (rows, block, t_out)
+        self._timings["propose"].append((rows, sum(len(d) for d in out), t_out - t_in))
+        if block is not None:
+            self._timings["call"].setdefault(f"{rows}x{block - 1}", []).append(t_out - t_in)
+
+    def engine_costs(self) -> dict:
+        """What drafting and verifying cost inside the engine so far (medians, seconds).
+
+        Returns:
+            ``{"draft_per_token": {B: s}, "target_step": {"BxL": s}, "draft_call": {"BxK": s}, "halves": {...},
+            "samples": {...}}``:
+            the proposer's seconds per drafted token at B rows (catch-up feeds and the policy included);
+            the wall time from one ``propose`` to the next (the target's forward over B rows of L tokens,
+            sampling, and vLLM's step overhead) where all rows had L tokens to verify; and the seconds of
+            one ``propose`` call where each of B decoding rows drafted K tokens.
+        """
+        per_b: dict[int, list[float]] = {}
+        for rows, drafted, seconds in self._timings["propose"]:
+            if drafted:
+                per_b.setdefault(rows, []).append(seconds / drafted)
+        return {"draft_per_token": {b: float(np.median(v)) for b, v in sorted(per_b.items())},
+                "target_step": {k: float(np.median(v)) for k, v in sorted(self._timings["target"].items())},
+                "draft_call": {k: float(np.median(v)) for k, v in sorted(self._timings["call"].items())},
+                # each key's first and second half of samples, apart: does a shape reproduce?
+                "halves": {part: {k: [float(np.median(v[: max(1, len(v) // 2)])), float(np.median(v[len(v) // 2:]))]
+                                  for k, v in sorted(self._timings[src].items())}
+                           for part, src in (("target_step", "target"), ("draft_call", "call"))},
+                "samples": {"draft": {b: len(v) for b, v in per_b.items()},
+                            "target": {k: len(v) for k, v in self._timings["target"].items()},
+                            "call": {k: len(v) for k, v in self._timings["call"].items()}}}
 
     def _claim(self, tokens: np.ndarray, num_sampled: int, claimed: set[int]) -> _Slot:
         """The slot continuing this sequence (it extends every token the slot's last round saw), or a new
@@ -246,7 +337,9 @@ class SpecstopProposer:
         claimed.add(id(slot))
         return slot
 
-    def _draft(self, slot: _Slot, tokens: np.ndarray, cap: int) -> list[int]:
+    def _draft(self, slot: _Slot, tokens: np.ndarray, cap: int, exact: bool = False) -> list[int]:
+        """Draft after ``tokens`` until the policy stops, ``cap`` or EOS (``exact``: ``cap`` tokens, whatever
+        the policy and EOS say; the policy still decides at every step, as its cost is part of a step)."""
         policy, lm = slot.policy, slot.lm
         n = len(tokens)
         keep = min(_common_prefix(slot.ids, tokens), n - 1)
@@ -262,7 +355,7 @@ class SpecstopProposer:
             y = int(q[: self.vocab_size].argmax())
             drafts.append(y)
             stop = policy.should_stop(q, h, position=position + j - 1, draft_token=y)
-            if stop or j == cap or y in self.eos:
+            if j == cap or (not exact and (stop or y in self.eos)):
                 break
             logits, h = lm.feed([y], keep_logits=1, hidden=hidden, layer=layer)
         slot.ids = np.concatenate([tokens, np.asarray(drafts[:-1], dtype=np.int64)])
