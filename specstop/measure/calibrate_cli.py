@@ -60,6 +60,14 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     """Cost model JSON to write (a plot goes beside it)."""
     no_plot: bool = setting(False, flags=("--no-plot",), negatable=False)
     """Write no plot."""
+    engine: str = setting("transformers", flags=("--engine",))
+    """Whose costs: transformers (specstop's own decoders) or vllm (vLLM's CPU build in its own venv,
+    `make vllm-env`: the target in vLLM's kernels, the draft in specstop's proposer, per K and --batch-grid
+    size; tune, eval and export then price for vLLM)."""
+    draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
+    """--engine vllm: the proposer's draft weights, int8 or int4 (specstop.pair.quantize); null = as loaded."""
+    vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
+    """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
 
 
 def command() -> TypedCommand:
@@ -99,6 +107,13 @@ def run(args: CalibrateSettings) -> int:
         raise UserError(f"--k-grid needs K >= 0 values, got {args.k_grid!r}")
     if not args.budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    engine = str(args.engine).strip().lower()
+    if engine not in ("transformers", "vllm"):
+        raise UserError(f"--engine {args.engine!r}: choose transformers (specstop's decoders) or vllm")
+    if engine == "vllm":
+        return _run_vllm(args, k_grid)
+    if args.draft_quant:
+        raise UserError("--draft-quant applies to --engine vllm (specstop's proposer quantizes its draft there)")
     from specstop.config_io import check_range
 
     check_range("--context-tokens", args.context_tokens, low=1)  # 0 used to mean "the default" silently
@@ -170,6 +185,63 @@ def run(args: CalibrateSettings) -> int:
     log.info("t_draft %.4f s/step; t_target(K): %s; policy step %s -> %s", cost.t_draft,
              ", ".join(f"K={k}: {v:.3f}" for k, v in t.items()),
              ", ".join(f"{n} {1e3 * s:.2f} ms" for n, s in (cost.policy_per_step or {}).items()), args.out)
+    return 0
+
+
+def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
+    """``--engine vllm``: the cost sweep in vLLM (:mod:`specstop.measure.vllm_cost`), written as a cost model."""
+    from datetime import datetime, timezone
+
+    from specstop.outputs import check_writable
+    from specstop.pair.hardware import cpu_flags, cpu_model_name
+    from specstop.pair.quantize import check_scheme
+
+    quant = check_scheme(args.draft_quant)
+    batch_grid = [1]
+    if args.batch_grid:
+        from specstop.measure.batch_cost import parse_batch_grid
+
+        batch_grid = sorted({1, *parse_batch_grid(args.batch_grid)})
+    if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UserError(f"--dtype {args.dtype}: vLLM takes auto, bfloat16, float16 or float32")
+    if len(k_grid) < 2 or max(k_grid) < 2:
+        raise UserError("--engine vllm needs two or more K >= 1 in --k-grid (a slope per drafted token), e.g. 0,1,2,4,8")
+    check_writable(args.out, "--out", kind="file")
+    from specstop.measure.vllm_cost import pair_folders
+
+    folders = pair_folders(args.pair, args.draft, args.target, what="calibrate-cost --engine vllm:")
+    if folders is None:
+        raise UserError("--engine vllm needs --pair, or --draft and --target")
+    draft, target = folders
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = read_prompts(args.prompts)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) if tok.chat_template else tok(t).input_ids for t in texts]
+    prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), max(batch_grid)))]
+    # Tokens per request: enough rounds of every K in the grid at every batch size within about --budget.
+    max_tokens = int(min(256, max(48, args.budget)))
+    from specstop.measure.vllm_cost import calibrate_in_vllm
+
+    machine = {"device": "cpu", "cpu": cpu_model_name(),
+               "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")),
+               "context_tokens": int(sum(map(len, prompts)) / len(prompts) + max_tokens / 2),
+               "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    log_path = Path(args.out).with_suffix(".vllm.log")
+    log.info("vLLM cost sweep: K in %s at batch sizes %s, %d prompts x %d tokens, draft %s (log: %s)",
+             ",".join(map(str, sorted({0, *k_grid}))), ",".join(map(str, batch_grid)), len(prompts), max_tokens,
+             quant or "as loaded", log_path)
+    cost, _ = calibrate_in_vllm(draft, target, prompts, k_grid=list(k_grid), batch_sizes=batch_grid,
+                                max_tokens=max_tokens, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+                                draft_quant=quant, python=args.vllm_python, log_path=log_path, machine=machine,
+                                name=Path(args.out).name)
+    cost.save(args.out)
+    log.info("%s", cost.provenance_line())
+    log.info("vLLM: t_draft %.4f s per drafted token; round minus drafts t_target(K): %s -> %s", cost.t_draft,
+             ", ".join(f"K={k}: {v:.3f}" for k, v in cost.target_by_k.items()), args.out)
+    if cost.batch:
+        log.info("vLLM batch costs: t_draft(B) %s", ", ".join(f"B={b}: {v:.3f}" for b, v in cost.batch["t_draft"].items()))
     return 0
 
 

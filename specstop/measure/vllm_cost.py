@@ -1,0 +1,161 @@
+"""``specstop calibrate-cost --engine vllm``: draft and target costs measured inside vLLM.
+
+vLLM lives in its own virtualenv (``make vllm-env``; ``--vllm-python`` or ``$SPECSTOP_VLLM_VENV`` names
+another), so this module is both sides: :func:`calibrate_in_vllm` (any Python with specstop) starts
+``python -m specstop.measure.vllm_cost --worker JOB OUT`` on vLLM's Python, which runs :func:`worker`:
+one ``vllm.LLM`` with specstop's proposer in its cost sweep (:data:`~specstop.decode.vllm_proposer.COST_SWEEP_KEY`),
+greedy decoding of the prompts B at a time for each B of the batch grid, and the proposer's
+``engine_costs()``. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns them into the
+cost model written to ``--out``.
+
+The engine settings are the serving benchmark's (``benchmarks/vllm_serving.py``): the single-process
+executor, eager mode, every CPU of this process's affinity for vLLM's threads, no prefix caching.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from specstop.errors import UserError
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm_python(explicit: str | None = None) -> str:
+    """The Python that has vLLM: ``explicit``, else ``$SPECSTOP_VLLM_VENV/bin/python``, else the checkout's
+    ``.venv-vllm``, else this Python."""
+    if explicit:
+        return explicit
+    venv = os.environ.get("SPECSTOP_VLLM_VENV")
+    for cand in ([Path(venv) / "bin" / "python"] if venv else []) + [_REPO_ROOT / ".venv-vllm" / "bin" / "python"]:
+        if cand.is_file():
+            return str(cand)
+    return sys.executable
+
+
+def vllm_env(kv_cache_gib: float = 2.0) -> dict:
+    """The environment vLLM's CPU build serves well in here: one process, all CPUs of this process's affinity
+    for its threads (none reserved), ``kv_cache_gib`` of KV cache; ``VLLM_*`` already set win. Run from a
+    checkout, the checkout goes first on PYTHONPATH, so vLLM's Python loads this specstop."""
+    try:
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    except AttributeError:
+        cpus = f"0-{(os.cpu_count() or 1) - 1}"
+    env = dict(os.environ)
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": cpus,
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+                "TOKENIZERS_PARALLELISM": "false"}
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    if (_REPO_ROOT / "pyproject.toml").is_file():  # a checkout: its code, not a copy installed in vLLM's venv
+        env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def pair_folders(pair: str | None, draft: str | None, target: str | None, *, what: str) -> tuple[str, str] | None:
+    """(draft, target) as vLLM loads them: a pair name's converted folders (or a folder with draft/ and
+    target/), else ``draft`` and ``target`` as given (a local path expanded, else a hub id); None without
+    either. ``what`` names the command in the error."""
+    if pair:
+        from specstop.pair.registry import converted_pair_dir
+
+        root = Path(pair).expanduser()
+        root = root if root.is_dir() else converted_pair_dir(pair)
+        if not (root / "draft").is_dir() or not (root / "target").is_dir():
+            raise UserError(f"{what} --pair {pair}: no draft/ and target/ under {root}; run `specstop fetch-pair {pair}`")
+        return str(root / "draft"), str(root / "target")
+    if draft and target:
+        local = [Path(m).expanduser() for m in (draft, target)]
+        return tuple(str(p) if p.exists() else m for p, m in zip(local, (draft, target)))  # type: ignore[return-value]
+    return None
+
+
+def engine_kwargs(dtype: str, max_model_len: int, max_num_seqs: int) -> dict:
+    """``vllm.LLM`` arguments that start in seconds on CPU (no compilation) and serve requests as new ones."""
+    return {"dtype": dtype, "enforce_eager": True, "compilation_config": {"mode": 0}, "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs, "seed": 0, "distributed_executor_backend": "uni",
+            "enable_prefix_caching": False}
+
+
+def worker(job: dict) -> dict:
+    """In vLLM's Python: the cost sweep on ``job`` (see the module doc); returns the engine costs and versions."""
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from specstop.decode.vllm_proposer import live_proposers
+    from specstop.export.engines import vllm_proposer_config
+
+    grid = [int(k) for k in job["k_grid"]]
+    policy = {"kind": "confidence", "threshold": 0.4, "sl_max": max(grid)}
+    conf, extra = vllm_proposer_config(job["draft"], policy, max(max(grid), 1), draft_quant=job.get("draft_quant"))
+    extra["specstop"]["cost_sweep"] = grid
+    llm = LLM(model=job["target"], speculative_config=conf, additional_config=extra, **job["engine"])
+    prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    for b in job["batch_sizes"]:
+        for i in range(0, len(prompts), b):
+            llm.generate(prompts[i:i + b], params, use_tqdm=False)
+        print(f"[calibrate-cost] vLLM: batch size {b} timed ({time.perf_counter() - t0:.0f} s)", flush=True)
+    proposer = live_proposers()[-1]
+    return {"costs": proposer.engine_costs(), "draft_quant": proposer.stats.get("draft_quant"),
+            "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+
+
+def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_grid: list[int], batch_sizes: list[int],
+                      max_tokens: int, dtype: str, draft_quant: str | None, python: str | None, log_path: Path,
+                      machine: dict, name: str):
+    """Run :func:`worker` in vLLM's Python and return ``(CostModel, raw worker result)``.
+
+    Raises:
+        UserError: vLLM's Python cannot import vLLM, or the engine failed (the log's tail is in the message).
+    """
+    from specstop.measure.engine_cost import cost_model_from_engine
+
+    exe = vllm_python(python)
+    grid = sorted({0, *(int(k) for k in k_grid)})
+    longest = max(map(len, prompts)) + max_tokens + max(grid) + 16
+    job = {"draft": draft, "target": target, "prompts": prompts, "k_grid": grid, "batch_sizes": batch_sizes,
+           "max_tokens": max_tokens, "draft_quant": draft_quant,
+           "engine": engine_kwargs(dtype, -(-longest // 128) * 128, max(batch_sizes))}
+    with tempfile.TemporaryDirectory(prefix="specstop_vllm_cost_") as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([exe, "-m", "specstop.measure.vllm_cost", "--worker", str(job_path), str(out_path)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vllm_env(), bufsize=1)
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith("[calibrate-cost]"):
+                    print(line.rstrip(), flush=True)
+            rc = proc.wait()
+        if rc != 0 or not out_path.is_file():
+            tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
+            if "No module named 'vllm'" in tail:
+                raise UserError(f"--engine vllm: {exe} has no vLLM; run `make vllm-env` or give --vllm-python")
+            raise UserError(f"--engine vllm: the vLLM process exited with {rc} (log: {log_path}):\n{tail}")
+        raw = json.loads(out_path.read_text())
+    engine = f"vllm {raw['versions']['vllm']}"
+    machine = {**machine, "dtype": dtype, "draft_quant": draft_quant, "torch": raw["versions"]["torch"]}
+    return cost_model_from_engine(raw["costs"], engine=engine, name=name, machine=machine), raw
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--worker":
+        result = worker(json.loads(Path(argv[1]).read_text()))
+        Path(argv[2]).write_text(json.dumps(result))
+        return 0
+    print("usage: python -m specstop.measure.vllm_cost --worker JOB OUT (started by specstop calibrate-cost --engine vllm)")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
