@@ -185,6 +185,12 @@ def test_batch_schedule_in_each_engines_format(tmp_path):
     assert lc[3]["flags"] == [] and "-md" not in lc[3]["command"]  # K = 0: no draft model at that batch size
 
     assert "batch_schedule" not in engine_settings(tuned, "hf", draft="d", target="t")  # HF assisted generation: batch 1
+    # specstop's proposer options draft only where the schedule speculates: SL_max there, 0 at batch size 64
+    opts = engine_settings(tuned, "vllm", draft="d", target="t")["options"]
+    conf = opts["confidence_opt"]["speculative_config"]
+    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 3, 12], [4, 15, 12], [16, 63, 12], [64, 64, 0]]
+    assert json.dumps(conf) in shlex.split(opts["confidence_opt"]["command"])  # the command carries it too
+    assert "num_speculative_tokens_per_batch_size" not in opts["static_opt"]["speculative_config"]
     for engine in ENGINES:
         validate_engine_file(engine, json.loads(json.dumps(engine_settings(tuned, engine, draft="d", target="t"))))
 
@@ -266,3 +272,43 @@ def test_schedule_without_speculation_anywhere(tmp_path):
     assert vllm["batch_schedule"]["speculative_config"] is None
     for engine in ("trtllm", "vllm", "sglang", "llamacpp"):
         validate_engine_file(engine, json.loads(json.dumps(engine_settings(tuned, engine, draft="d", target="t"))))
+
+
+def test_a_file_where_nothing_pays_recommends_no_speculation(tmp_path):
+    """Every option predicted slower than the engine alone: no recommendation, a line saying so, and the file
+    says whose costs priced it."""
+    tuned = _tuned(tmp_path)
+    for entry in tuned["policies"].values():
+        entry["validation"]["speedup"] = 0.9
+    tuned["cost_model"] = {**COST, "provenance": "measured", "name": "vllm_cost.json", "machine": {"engine": "vllm 0.32.0"}}
+    from specstop.export.engines import summary_line
+
+    vllm = engine_settings(tuned, "vllm", draft="d", target="t")
+    assert vllm["recommended"] is None and "serve without speculation" in vllm["no_speculation"]
+    assert vllm["priced_by"].startswith("vllm's own costs, measured inside vllm 0.32.0")
+    assert summary_line(vllm).startswith("vllm: no speculation recommended")
+    lc = engine_settings(tuned, "llamacpp", draft="d.gguf", target="t.gguf")
+    assert "not llamacpp's: an estimate" in lc["priced_by"]
+    validate_engine_file("vllm", json.loads(json.dumps(vllm)))
+
+
+def test_vllm_options_with_a_quantized_draft(tmp_path, capsys):
+    """--draft-quant int4: every option runs through specstop's proposer (static K too) with the int4 draft,
+    learned options are left out, and the file says whose draft's costs priced it."""
+    tuned = _tuned(tmp_path)
+    vllm = engine_settings(tuned, "vllm", draft="d", target="t", draft_quant="int4",
+                           hf_export=("confidence_opt", str(tmp_path)))
+    for name, opt in vllm["options"].items():
+        assert opt["speculative_config"]["method"] == "custom_class", name
+        assert opt["additional_config"]["specstop"]["draft_quant"] == "int4", name
+    assert vllm["options"]["static_opt"]["additional_config"]["specstop"]["policy"]["kind"] == "static"
+    assert vllm["draft_quant"]["scheme"] == "int4" and "calibrate-cost --engine vllm --draft-quant int4" in \
+        vllm["draft_quant"]["note"]
+    validate_engine_file("vllm", json.loads(json.dumps(vllm)))
+    bad = json.loads(json.dumps(vllm))
+    bad["options"]["confidence_opt"]["additional_config"]["specstop"]["draft_quant"] = "int3"
+    with pytest.raises(UserError, match="draft_quant must be one of int8, int4"):
+        validate_engine_file("vllm", bad)
+    assert main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(tmp_path / "x"), "--for", "llamacpp",
+                 "--draft-quant", "int4"]) == 2
+    assert "--draft-quant applies to --for vllm" in capsys.readouterr().err

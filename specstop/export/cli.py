@@ -51,6 +51,10 @@ class ExportSettings:
     """Target model to write into engine commands."""
     overwrite: bool = setting(False, flags=("--overwrite",), negatable=False)
     """Replace an existing, non-empty --out folder (after the new export passed its check)."""
+    draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
+    """vllm: specstop's proposer quantizes its draft's weights (int8 or int4, specstop.pair.quantize) in
+    the rule options; tune with the same draft's costs (`calibrate-cost --engine vllm --draft-quant`).
+    Learned options are left out (they read the float draft's features)."""
     allow_missing_pair: bool = setting(False, flags=("--allow-missing-pair",), negatable=False)
     """Write an export without draft/target identities (decoders then cannot refuse a wrong draft)."""
 
@@ -81,7 +85,7 @@ def _write_engines(args: ExportSettings, engines: list[str], hf_policy: str | No
     from specstop.export.engines import summary_line, write_engine_settings
 
     paths = write_engine_settings(args.out, args.tuned, engines, draft=args.draft_name, target=args.target_name,
-                                  hf_policy=hf_policy)
+                                  hf_policy=hf_policy, draft_quant=args.draft_quant)
     for path in paths.values():
         print(summary_line(json.loads(path.read_text())))
         print(f"  wrote {path}")
@@ -106,6 +110,11 @@ def run(args: ExportSettings) -> int:
 def _run(args: ExportSettings, engines: list[str]) -> int:
     from specstop.export.export import export_from_files
 
+    from specstop.pair.quantize import check_scheme
+
+    args.draft_quant = check_scheme(args.draft_quant)
+    if args.draft_quant and "vllm" not in engines:
+        raise UserError("--draft-quant applies to --for vllm (specstop's proposer quantizes its draft there)")
     checkpoint = split_checkpoint_arg(args.checkpoint)[1] if args.checkpoint else None
     if engines and "hf" not in engines:
         _write_engines(args, engines, None)  # settings files only: no predictor package

@@ -122,22 +122,31 @@ def _vllm_command(target: str, conf: dict, additional: dict | None = None) -> st
     return cmd
 
 
-def vllm_proposer_config(draft: str, policy: dict | str, cap: int) -> tuple[dict, dict]:
+def vllm_proposer_config(draft: str, policy: dict | str, cap: int, *, draft_quant: str | None = None,
+                         schedule: list | None = None) -> tuple[dict, dict]:
     """``(speculative_config, additional_config)`` that run :data:`VLLM_PROPOSER_CLASS` with ``policy`` (a rule's
     policy spec dict, or a learned policy's export folder) on ``draft``; ``cap`` (SL_max) is vLLM's
-    ``num_speculative_tokens``, the most any draft may hold."""
+    ``num_speculative_tokens``, the most any draft may hold. ``draft_quant`` ("int8", "int4"): the
+    proposer quantizes the draft's weights when it loads it (``specstop.pair.quantize``). ``schedule``:
+    ``[[lo, hi, K], ...]``, vLLM's ``num_speculative_tokens_per_batch_size``, a cap on each draft by the
+    number of requests in the step (K = 0: no drafts at those batch sizes)."""
     conf = {"method": "custom_class", "model": VLLM_PROPOSER_CLASS, "num_speculative_tokens": int(cap)}
-    return conf, {VLLM_SETTINGS_KEY: {"draft": draft, "policy": policy}}
+    if schedule:
+        conf["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(k), int(cap))] for a, b, k in schedule]
+    settings: dict = {"draft": draft, "policy": policy}
+    if draft_quant:
+        settings["draft_quant"] = draft_quant
+    return conf, {VLLM_SETTINGS_KEY: settings}
 
 
-def _vllm(entry: dict, draft: str, target: str) -> dict:
+def _vllm(entry: dict, draft: str, target: str, draft_quant: str | None = None) -> dict:
     spec = entry["spec"]
-    if spec["kind"] == "static":  # vLLM's own draft-model proposer runs a fixed K
+    if spec["kind"] == "static" and not draft_quant:  # vLLM's own draft-model proposer runs a fixed K
         conf = {"model": draft, "num_speculative_tokens": spec["k"]}
         return {"speculative_config": conf, "command": _vllm_command(target, conf)}
     from specstop.policy import PolicySpec
 
-    conf, additional = vllm_proposer_config(draft, spec, PolicySpec.from_dict(spec).cap)
+    conf, additional = vllm_proposer_config(draft, spec, PolicySpec.from_dict(spec).cap, draft_quant=draft_quant)
     return {"speculative_config": conf, "additional_config": additional,
             "command": _vllm_command(target, conf, additional), "note": VLLM_PROPOSER_NOTE}
 
@@ -331,6 +340,29 @@ def _schedule_trtllm(sched: dict, draft: str, target: str, folder: str | None) -
     }
 
 
+def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
+    """Where the tuned batch schedule runs no speculation (K = 0 at batch size B), specstop's proposer options
+    draft nothing at B either: ``num_speculative_tokens_per_batch_size`` gives them their SL_max at the
+    batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way)."""
+    entries = sched["entries"]
+    if all(e["k"] > 0 for e in entries):
+        return
+    for opt in options.values():
+        conf = opt.get("speculative_config") or {}
+        if conf.get("method") != "custom_class":
+            continue
+        cap = int(conf["num_speculative_tokens"])
+        ranges = []
+        for i, e in enumerate(entries):
+            lo = 1 if i == 0 else e["batch_size"]
+            hi = entries[i + 1]["batch_size"] - 1 if i + 1 < len(entries) else e["batch_size"]
+            ranges.append([lo, hi, cap if e["k"] > 0 else 0])
+        conf["num_speculative_tokens_per_batch_size"] = ranges
+        opt["command"] = _vllm_command(target, conf, opt.get("additional_config"))
+        opt["batch_caps_note"] = ("drafts only at the batch sizes where the tuned batch schedule speculates "
+                                  "(K = 0 elsewhere: the draft's cost there exceeds what it saves)")
+
+
 def _schedule_vllm(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     entries = sched["entries"]
     ks = [e["k"] for e in entries]
@@ -451,9 +483,36 @@ def _pair_names(tuned: dict, manifest: dict | None) -> tuple[str, str]:
     return draft, target
 
 
+def _quant_note(cost_model: dict | None, draft_quant: str) -> dict:
+    """The quantized draft the proposer options run, and whether the tuned costs were measured with it."""
+    measured = ((cost_model or {}).get("machine") or {}).get("draft_quant")
+    note = (f"priced with the {draft_quant} draft's own costs" if measured == draft_quant else
+            f"priced with the costs of a {measured or 'float'} draft, not the {draft_quant} one: measure with "
+            f"`specstop calibrate-cost --engine vllm --draft-quant {draft_quant}` and tune again")
+    return {"scheme": draft_quant, "note": note + "; acceptance replayed from the dataset's (float) draft"}
+
+
+def priced_by(cost_model: dict | None, engine: str) -> str:
+    """One line: whose step costs priced the predictions of ``engine``'s file (the engine's own, measured in
+    it by ``specstop calibrate-cost --engine``, or specstop's decoders' and so only an estimate for it)."""
+    cost = cost_model or {}
+    measured_in = ((cost.get("machine") or {}).get("engine") or "").split(" ")[0]
+    name = cost.get("name") or "?"
+    if measured_in and measured_in == engine:
+        return f"{engine}'s own costs, measured inside {(cost.get('machine') or {}).get('engine')} (cost model {name})"
+    if measured_in:
+        return (f"{measured_in}'s costs (cost model {name}), not {engine}'s: an estimate for {engine}")
+    if cost.get("provenance") == "measured":
+        return (f"specstop's transformers decoders' costs on this machine (cost model {name}), not {engine}'s: an "
+                f"estimate for {engine}" + ("; `specstop calibrate-cost --engine vllm` measures vLLM's own"
+                                            if engine == "vllm" else ""))
+    return f"the preset cost model {name} (not measured): an estimate"
+
+
 def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, draft: str | None = None,
                     target: str | None = None, tuned_path: str | None = None,
-                    hf_export: tuple[str, str] | None = None, folder: str | Path | None = None) -> dict[str, Any]:
+                    hf_export: tuple[str, str] | None = None, folder: str | Path | None = None,
+                    draft_quant: str | None = None) -> dict[str, Any]:
     """The settings file for ``engine`` from a tuned-policy dict.
 
     Args:
@@ -467,6 +526,8 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         folder: the folder the file is written to: its usage lines and commands name the files there
             (``hf.json``, TensorRT-LLM's YAML, SGLang's tiers) by that path, so they run from any
             directory; None: bare file names.
+        draft_quant: vllm only: specstop's proposer runs the draft quantized ("int8", "int4") in the rule
+            options; learned options are left out (their features come from the float draft).
 
     Returns:
         ``{"engine", "recommended", "options": {policy: settings}, "cost_model", "source", ...}``;
@@ -487,7 +548,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
             continue
         body = {
             "hf": lambda e: _hf(e, side_file(folder, "hf.json")),
-            "vllm": lambda e: _vllm(e, draft, target),
+            "vllm": lambda e: _vllm(e, draft, target, draft_quant),
             "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)),  # llama.cpp reads GGUF
             "sglang": lambda e: _sglang(e, draft, target),
             "trtllm": lambda e: _trtllm(e, draft, target, folder),
@@ -500,16 +561,25 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
                              "generate_kwargs": {"custom_generate": export, "trust_remote_code": True},
                              "usage": hf_policy_usage(export)}
-        elif entry is not None and entry["spec"]["kind"] == "predictor":  # vLLM: the package through our proposer
+        elif entry is not None and entry["spec"]["kind"] == "predictor" and not draft_quant:  # vLLM: through our proposer
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
                              **_vllm_learned(entry, draft, target, export)}
     sched = read_batch_schedule(tuned) if engine in SCHEDULE_ENGINES else None
+    if engine == "vllm" and sched is not None:
+        _cap_proposer_by_batch(options, sched, target)
     if not options and sched is None:
         raise UserError(
             f"the tuned file has none of the policies {engine} can express ({', '.join(_SUPPORTED[engine])}); "
             "rerun `specstop tune` with this specstop version"
         )
     recommended = max(options, key=lambda n: options[n]["predicted"].get("speedup") or 0.0) if options else None
+    if recommended is not None and (options[recommended]["predicted"].get("speedup") or 0.0) < 1.0:
+        extra_none = {"no_speculation": (
+            f"every option is predicted slower than {engine} without speculation under cost_model "
+            f"(best: {recommended}, {options[recommended]['predicted']['speedup']:.3f}x): serve without speculation")}
+        recommended = None
+    else:
+        extra_none = {}
     best = tuned.get("best")
     best_entry = _policy(tuned, best) if best else None
     extra = {}
@@ -521,8 +591,11 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
     return {
         "engine": engine,
         "recommended": recommended,
+        **extra_none,
         "options": options,
         **extra,
+        "priced_by": priced_by(tuned.get("cost_model"), engine),
+        **({"draft_quant": _quant_note(tuned.get("cost_model"), draft_quant)} if draft_quant else {}),
         "best_tuned_policy": {"name": best, "predicted": _prediction(best_entry)} if best_entry else None,
         "cost_model": tuned.get("cost_model"),
         "draft": draft,
@@ -536,7 +609,8 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
 
 
 def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list[str], *, draft: str | None = None,
-                          target: str | None = None, hf_policy: str | None = None) -> dict[str, Path]:
+                          target: str | None = None, hf_policy: str | None = None,
+                          draft_quant: str | None = None) -> dict[str, Path]:
     """Write ``OUT/<engine>.json`` for each engine. Returns ``{engine: path}``.
 
     ``hf_policy``: the learned policy exported into ``OUT`` (an hf option through ``custom_generate``; a
@@ -552,7 +626,7 @@ def write_engine_settings(out: str | Path, tuned_path: str | Path, engines: list
     for engine in engines:
         settings = engine_settings(tuned, engine, manifest=manifest, draft=draft, target=target, tuned_path=str(tuned_path),
                                    hf_export=(hf_policy, str(out.resolve())) if hf_policy else None,
-                                   folder=out.resolve())
+                                   folder=out.resolve(), draft_quant=draft_quant if engine == "vllm" else None)
         validate_engine_file(engine, settings)  # never write a file the engine's documented schema refuses
         path = out / f"{engine}.json"
         atomic_write_text(path, json.dumps(settings, indent=2) + "\n")
@@ -593,6 +667,8 @@ def summary_line(settings: dict) -> str:
             for r in sched["by_batch_size"])
         tail = f"; batch schedule [{per_b}]"
     if settings.get("recommended") is None:
+        if settings.get("no_speculation"):
+            return f"{settings['engine']}: no speculation recommended ({settings['no_speculation']}){tail}"
         return f"{settings['engine']}: batch schedule only{tail}"
     rec = settings["options"][settings["recommended"]]
     what = rec.get("command") or json.dumps(rec.get("generate_kwargs") or rec.get("assistant_generation_config"))
@@ -654,6 +730,12 @@ def _check_vllm_proposer(conf: dict, additional: Any, where: str) -> None:
     settings = additional.get(VLLM_SETTINGS_KEY) if isinstance(additional, dict) else None
     if not isinstance(settings, dict) or not isinstance(settings.get("draft"), str) or not settings["draft"]:
         raise _bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft must name the draft model")
+    if settings.get("draft_quant") is not None:
+        from specstop.pair.quantize import SCHEMES
+
+        if settings["draft_quant"] not in SCHEMES:
+            raise _bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft_quant must be one of "
+                       f"{', '.join(SCHEMES)}, got {settings['draft_quant']!r}")
     policy = settings.get("policy")
     if isinstance(policy, dict):
         from specstop.policy import PolicySpec
