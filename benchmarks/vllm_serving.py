@@ -19,7 +19,10 @@ time of those calls (prefill included, as a client sees it). Methods (``--method
 * ``specstop_learned``: specstop's proposer with a learned export (``--policy EXPORT_DIR``, or the
   learned option of ``--engines`` exported with ``--for hf,vllm``);
 * ``specstop_heuristic``: ``--engines``' ``heuristic_opt`` through the proposer (only when named in
-  ``--methods``).
+  ``--methods``);
+* ``<proposer method>_int8`` / ``_int4``: the same with the draft's weights quantized as the proposer
+  loads it (``--draft-quant``, ``specstop.pair.quantize``); ``--proposer-schedule B:K,...`` caps every
+  proposer method's drafts per batch size (K = 0: no drafts there).
 
 ``--engines DIR`` (a ``specstop export --for vllm`` folder) is used by option name as written, with
 the draft it names replaced by ``--draft`` (recorded in the output); its ``static_opt`` K joins the grid.
@@ -42,7 +45,8 @@ both continuations as text, and the target's top-2 logit gap there (from an unti
 ``no_spec`` with vLLM's top-2 logprobs: the logprob gap equals the logit gap). vLLM's own counters
 give drafts, drafted and accepted tokens per run. ``--out X.json`` gets the raw timings, settings,
 CPU (lscpu model and flags), vLLM/torch/transformers versions and the summary; ``X.md`` the tables;
-``X_logs/`` each vLLM process's log.
+``X_logs/`` each vLLM process's log. For the proposer methods, the costs inside the engine as the proposer
+timed them: seconds per drafted token, and seconds per target step by the block each row verified.
 
 vLLM runs in its own virtualenv (``make vllm-env``): this script runs in any Python with specstop and
 transformers (the project venv) and starts ``--vllm-python`` (default: ``$SPECSTOP_VLLM_VENV`` or
@@ -76,7 +80,6 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 PROGRESS = "[vllm_serving]"
 DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
 PROPOSER_METHODS = ("specstop_confidence", "specstop_learned", "specstop_heuristic")
@@ -131,7 +134,7 @@ def worker(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from specstop.decode.vllm_proposer import spec_counters
+    from specstop.decode.vllm_proposer import live_proposers, spec_counters
 
     result: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                  "transformers": transformers.__version__, "python": platform.python_version()},
@@ -187,6 +190,9 @@ def worker(job: dict) -> dict:
                                         "spec": {k: after[k] - before[k] for k in after}})
                     _say(f"{name}: B={b} repeat {r}: {tokens} tokens in {sum(walls):.2f} s "
                          f"({tokens / max(sum(walls), 1e-9):.2f} tok/s)")
+            proposers = live_proposers()
+            if proposers:  # specstop's proposer ran: the engine's own step costs as it saw them
+                res["engine_costs"] = proposers[-1].engine_costs()
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
             _say(f"{name}: failed")
@@ -259,6 +265,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--engines' confidence_opt replaces it")
     g.add_argument("--sl-max", type=int, default=8, help="specstop_confidence's cap on a draft (vLLM's num_speculative_tokens)")
     g.add_argument("--policy", type=Path, default=None, help="a learned specstop export folder (specstop_learned)")
+    g.add_argument("--draft-quant", default="none",
+                   help="specstop proposer draft weights: a comma list of none, int8, int4 (one method per scheme, "
+                        "named METHOD_int4 etc.; specstop.pair.quantize)")
+    g.add_argument("--proposer-schedule", default=None,
+                   help="B:K,... (as --schedule): a per-batch-size cap on every specstop proposer's drafts "
+                        "(K = 0: no drafts at those B)")
     g = p.add_argument_group("timing")
     g.add_argument("--batch-sizes", default="1,2,4,8", help="B: concurrent requests per generate call")
     g.add_argument("--passes", type=int, default=2, help="passes over the methods, the order rotated between them")
@@ -298,34 +310,23 @@ def _smoke_defaults(args: argparse.Namespace, argv: list[str]) -> None:
              "--k-grid": ("k_grid", "2"), "--passes": ("passes", 1), "--repeats": ("repeats", 1),
              "--warmup-tokens": ("warmup_tokens", 4), "--process": ("process", "pass"), "--dtype": ("dtype", "float32"),
              "--kv-cache-gib": ("kv_cache_gib", 1.0), "--schedule": ("schedule", "1:2,2:1"),
-             "--sl-max": ("sl_max", 4)}
+             "--sl-max": ("sl_max", 4), "--draft-quant": ("draft_quant", "none,int4"),
+             "--proposer-schedule": ("proposer_schedule", "1:4,2:0")}
     for flag, (dest, value) in small.items():
         if flag not in given:
             setattr(args, dest, value)
 
 
-def vllm_python(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    venv = os.environ.get("SPECSTOP_VLLM_VENV")
-    for cand in ([Path(venv) / "bin" / "python"] if venv else []) + [REPO / ".venv-vllm" / "bin" / "python"]:
-        if cand.is_file():
-            return str(cand)
-    return sys.executable
-
-
 def resolve_models(args: argparse.Namespace, tmp: Path) -> tuple[str, str]:
-    if args.pair:
-        from specstop.pair.registry import converted_pair_dir
+    from specstop.errors import UserError
+    from specstop.measure.vllm_cost import pair_folders
 
-        root = Path(args.pair).expanduser()
-        root = root if root.is_dir() else converted_pair_dir(args.pair)
-        if not (root / "draft").is_dir() or not (root / "target").is_dir():
-            raise SystemExit(f"--pair {args.pair}: no draft/ and target/ under {root} (specstop fetch-pair NAME first)")
-        return str(root / "draft"), str(root / "target")
-    if args.draft and args.target:
-        return str(Path(args.draft).expanduser()) if Path(args.draft).expanduser().exists() else args.draft, \
-            str(Path(args.target).expanduser()) if Path(args.target).expanduser().exists() else args.target
+    try:
+        folders = pair_folders(args.pair, args.draft, args.target, what="")
+    except UserError as err:
+        raise SystemExit(str(err).strip()) from None
+    if folders is not None:
+        return folders
     if args.smoke:
         from specstop.testing import save_vllm_tiny_pair
 
@@ -367,6 +368,53 @@ def _with_draft(option: dict, draft: str, named: str | None) -> tuple[dict | Non
     return conf, extra, replaced
 
 
+def _engines_file(args: argparse.Namespace) -> dict:
+    """``--engines``' vllm.json ({} without --engines)."""
+    if args.engines is None:
+        return {}
+    path = args.engines / "vllm.json" if args.engines.is_dir() else args.engines
+    if not path.is_file():
+        raise SystemExit(f"--engines {args.engines}: no vllm.json (write it with `specstop export --for vllm`)")
+    return json.loads(path.read_text())
+
+
+def _predicted_b1(option: dict) -> dict:
+    """An engines-file option's predicted speedup, by batch size (its tuning is for batch size 1)."""
+    speed = (option.get("predicted") or {}).get("speedup")
+    return {"1": speed} if speed else {}
+
+
+def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
+    """``--proposer-schedule`` applied to every specstop proposer method, then one copy of each per
+    ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself)."""
+    from specstop.pair.quantize import check_scheme
+
+    schedule = parse_schedule(args.proposer_schedule) if args.proposer_schedule else None
+    schemes = [check_scheme(q) for q in args.draft_quant.split(",") if q.strip()] or [None]
+    out = []
+    for m in methods:
+        if m["name"] not in PROPOSER_METHODS:
+            out.append(m)
+            continue
+        if schedule:
+            conf = m["speculative_config"]
+            conf["num_speculative_tokens_per_batch_size"] = [[lo, hi, min(k, conf["num_speculative_tokens"])]
+                                                             for lo, hi, k in schedule]
+            m["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
+        for scheme in schemes:
+            if scheme is None:
+                out.append(m)
+                continue
+            v = json.loads(json.dumps(m))
+            v["name"], v["label"] = f"{m['name']}_{scheme}", f"{m['label']}, {scheme} draft"
+            v["predicted"] = None  # the file's prediction is for the draft it was tuned with
+            v["additional_config"]["specstop"]["draft_quant"] = scheme
+            if m["name"] == "specstop_learned":
+                v["additional_config"]["specstop"]["allow_draft_mismatch"] = True
+            out.append(v)
+    return out
+
+
 def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
     """Every method to run: ``{"name", "label", "speculative_config", "additional_config", "source"}``."""
     from specstop.export.engines import vllm_proposer_config
@@ -375,10 +423,7 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
     methods = [{"name": "no_spec", "label": "vLLM, no speculation", "speculative_config": None, "source": "baseline"}]
     engines, engine_draft = {}, None
     if args.engines is not None:
-        path = args.engines / "vllm.json" if args.engines.is_dir() else args.engines
-        if not path.is_file():
-            raise SystemExit(f"--engines {args.engines}: no vllm.json (write it with `specstop export --for vllm`)")
-        engines = json.loads(path.read_text())
+        engines = _engines_file(args)
         engine_draft = engines.get("draft")
     options = engines.get("options") or {}
     user_grid = _parse_ints(args.k_grid, "--k-grid")
@@ -391,7 +436,8 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
             note.append("specstop's tuned static_opt")
         methods.append({"name": f"draft_k{k}", "label": f"vLLM draft model, K = {k}" + (f" ({', '.join(note)})" if note else ""),
                         "speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
-                        "source": "--k-grid" if k in user_grid else "--engines static_opt"})
+                        "source": "--k-grid" if k in user_grid else "--engines static_opt",
+                        "predicted": _predicted_b1(options["static_opt"]) if k == tuned_k else None})
     sched = None
     if args.schedule:
         ranges = parse_schedule(args.schedule)
@@ -405,7 +451,9 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
         if conf is None:
             print(f"{PROGRESS} --engines' batch schedule runs no speculation at any batch size: no schedule method")
         else:
-            sched = {"speculative_config": conf, "source": "--engines batch_schedule", "draft_replaced": replaced}
+            sched = {"speculative_config": conf, "source": "--engines batch_schedule", "draft_replaced": replaced,
+                     "predicted": {str(r["batch_size"]): r.get("predicted_speedup")
+                                   for r in engines["batch_schedule"].get("by_batch_size", [])}}
     if sched:
         ranges = sched["speculative_config"]["num_speculative_tokens_per_batch_size"]
         methods.append({"name": "schedule", "label": "vLLM draft model, per-batch schedule "
@@ -417,7 +465,7 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
         methods.append({"name": "specstop_confidence", "label": f"specstop proposer, confidence tau = "
                         f"{pol.get('threshold', float('nan')):.4g}, SL_max {pol.get('sl_max')} (tuned confidence_opt)",
                         "speculative_config": conf, "additional_config": extra, "source": "--engines confidence_opt",
-                        "draft_replaced": replaced})
+                        "draft_replaced": replaced, "predicted": _predicted_b1(conf_opt)})
     else:
         spec = PolicySpec(kind="confidence", threshold=float(args.confidence), sl_max=int(args.sl_max))
         conf, extra = vllm_proposer_config(draft, spec.to_dict(), spec.cap)
@@ -440,13 +488,15 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
             conf, extra, replaced = _with_draft(opt, draft, engine_draft)
             methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {name} "
                             f"(SL_max {conf['num_speculative_tokens']})", "speculative_config": conf,
-                            "additional_config": extra, "source": f"--engines {name}", "draft_replaced": replaced})
+                            "additional_config": extra, "source": f"--engines {name}", "draft_replaced": replaced,
+                            "predicted": _predicted_b1(opt)})
     if options.get("heuristic_opt"):
         conf, extra, replaced = _with_draft(options["heuristic_opt"], draft, engine_draft)
         pol = options["heuristic_opt"].get("policy") or {}
         methods.append({"name": "specstop_heuristic", "label": f"specstop proposer, heuristic start {pol.get('start')}, "
                         f"SL_max {pol.get('sl_max')} (tuned heuristic_opt)", "speculative_config": conf,
                         "additional_config": extra, "source": "--engines heuristic_opt", "draft_replaced": replaced})
+    methods = _proposer_variants(methods, args)
     available = [m["name"] for m in methods]
     if args.methods:
         wanted = [w.strip() for w in args.methods.split(",") if w.strip()]
@@ -482,21 +532,6 @@ def host_info() -> dict:
     except (OSError, IndexError, ValueError):
         pass
     return info
-
-
-def vllm_env(args: argparse.Namespace) -> dict:
-    try:
-        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    except AttributeError:
-        cpus = f"0-{(os.cpu_count() or 1) - 1}"
-    env = dict(os.environ)
-    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": cpus,
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}",
-                "TOKENIZERS_PARALLELISM": "false"}
-    for k, v in defaults.items():
-        env.setdefault(k, v)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
 
 
 def run_worker(python: str, job: dict, workdir: Path, tag: str, env: dict) -> tuple[dict | None, str | None, float]:
@@ -562,9 +597,11 @@ def summarize(record: dict, tokenizer) -> dict:
             q1, q3 = _quartiles(tps)
             med = statistics.median(tps)
             spec = {k: sum(r["spec"][k] for r in runs) for k in SPEC_METRICS.values()}
+            predicted = (m.get("predicted") or {}).get(str(b))
             row = {"tok_s": {"median": med, "min": min(tps), "max": max(tps), "q1": q1, "q3": q3, "n": len(tps),
                              "all": tps},
                    "speedup": med / base_med[b] if b in base_med else None,
+                   "predicted_speedup": predicted,
                    "tokens": [r["tokens"] for r in runs],
                    "spec": spec,
                    "accepted_per_draft": spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else None,
@@ -647,6 +684,16 @@ def markdown(record: dict) -> str:
     for m in record["methods"]:
         cells = [_fmt((summary.get(m["name"], {}).get(str(b)) or {}).get("speedup"), ".3f") for b in sizes]
         lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    predicted = [(m["name"], b, summary[m["name"]][str(b)]) for m in record["methods"] for b in sizes
+                 if (summary.get(m["name"], {}).get(str(b)) or {}).get("predicted_speedup")]
+    if predicted:
+        lines += ["", "Predicted (the engines file's replay, priced by its cost model) against measured:", "",
+                  "| method | B | predicted | measured | measured / predicted |", "|---|---:|---:|---:|---:|"]
+        for name, b, row in predicted:
+            p, got = row["predicted_speedup"], row["speedup"]
+            lines.append(f"| {name} | {b} | {p:.3f} | {_fmt(got, '.3f')} | {_fmt(got / p if got else None, '.3f')} |")
+        if record.get("priced_by"):
+            lines.append(f"\nPriced by: {record['priced_by']}")
     if record.get("best_static_k"):
         lines += ["", "Best static K per B (vLLM draft model, highest median tok/s): "
                   + ", ".join(f"B={b}: K={v['k']} ({v['speedup']:.3f}x)" for b, v in record["best_static_k"].items())]
@@ -665,6 +712,16 @@ def markdown(record: dict) -> str:
     if base_diff:
         lines += ["", "no_spec itself differs between batch sizes (batched kernels): "
                   + "; ".join(f"B={d['batch_size']} prompt {d['prompt_id']} at token {d['position']}" for d in base_diff)]
+    if record.get("engine_costs"):
+        lines += ["", "## Costs inside the engine, as specstop's proposer timed them", "",
+                  "Seconds per drafted token at B rows (catch-up feeds and the policy included), and seconds "
+                  "from one draft call to the next where every row verified L tokens (the target's forward, "
+                  "sampling and vLLM's step), medians with sample counts:", ""]
+        for name, entries in record["engine_costs"].items():
+            for e in entries:
+                draft = ", ".join(f"B={b}: {v * 1e3:.1f} ms ({e['samples']['draft'][b]})" for b, v in e["draft_per_token"].items())
+                target = ", ".join(f"{k}: {v * 1e3:.0f} ms ({e['samples']['target'][k]})" for k, v in e["target_step"].items())
+                lines.append(f"- `{name}` pass {e['pass']}: draft per token {draft or '-'}; target step {target or '-'}")
     if record.get("errors"):
         lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
                                            for n, errs in record["errors"].items() for e in errs]
@@ -723,14 +780,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([{k: m.get(k) for k in ("name", "speculative_config", "additional_config")} for m in methods],
                              indent=1))
             return 0
+        from specstop.measure.vllm_cost import vllm_env, vllm_python
+
         python = vllm_python(args.vllm_python)
-        env = vllm_env(args)
+        env = vllm_env(args.kv_cache_gib)
         logs.mkdir(parents=True, exist_ok=True)
         by_name = {m["name"]: m for m in methods}
         base = {"target": target, "engine": engine, "prompts": prompts, "batch_sizes": sizes, "max_tokens": args.max_new_tokens,
                 "ignore_eos": args.ignore_eos, "warmup": args.warmup, "warmup_tokens": args.warmup_tokens,
                 "repeats": args.repeats}
         runs, starts, errors, versions, reference = [], [], {}, None, None
+        engine_costs: dict[str, list] = {}
         t_all = time.perf_counter()
         for p, order in enumerate(orders):
             groups = [[n] for n in order] if args.process == "engine" else [order]
@@ -756,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{PROGRESS} {n} failed: {res['error'].strip().splitlines()[-1]}", flush=True)
                     if res.get("reference"):
                         reference = res["reference"]
+                    if res.get("engine_costs"):
+                        engine_costs.setdefault(n, []).append({"pass": p + 1, **res["engine_costs"]})
                     for r in res["runs"]:
                         runs.append({"method": n, "pass": p + 1, **r, "tok_s": r["tokens"] / max(r["wall_s"], 1e-9)})
         record = {
@@ -774,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
                          "engine": engine, "method_orders": orders, "smoke": args.smoke},
             "methods": methods,
             "engine_starts": starts,
+            "engine_costs": engine_costs,
+            "priced_by": _engines_file(args).get("priced_by"),
             "runs": runs,
             "reference": reference,
             "errors": errors,

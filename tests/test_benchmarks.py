@@ -173,14 +173,15 @@ needs_vllm = pytest.mark.skipif(not (VLLM_VENV / "bin" / "python").is_file(),
                                 reason=f"no vLLM venv at {VLLM_VENV}: run `make vllm-env` (vLLM's CPU build in its own venv)")
 
 
-def _serving_rows(record: dict) -> dict:
-    """``{(method, B): summary row}``; every row's greedy outputs equal vLLM's without speculation."""
+def _serving_rows(record: dict, may_not_draft: tuple = ()) -> dict:
+    """``{(method, B): summary row}``; every row's greedy outputs equal vLLM's without speculation, and every
+    speculative method drafted and had drafts accepted (except the ``(method, B)`` in ``may_not_draft``)."""
     rows = {}
     for name, by_b in record["summary"].items():
         for b, row in by_b.items():
             assert row["identical"] == row["prompts"], (name, b, row["differing"])
             assert row["tok_s"]["median"] > 0 and row["speedup"] > 0, (name, b)
-            if name != "no_spec":
+            if name != "no_spec" and (name, int(b)) not in may_not_draft:
                 assert row["spec"]["drafts"] > 0 and row["spec"]["accepted_tokens"] > 0, (name, b, row["spec"])
             rows[name, int(b)] = row
     return rows
@@ -195,15 +196,21 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     out = tmp_path / "out.json"
     assert run_script(BENCH / "vllm_serving.py", ["--smoke", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
-    assert [m["name"] for m in record["methods"]] == ["no_spec", "draft_k2", "schedule", "specstop_confidence"]
-    rows = _serving_rows(record)
+    assert [m["name"] for m in record["methods"]] == ["no_spec", "draft_k2", "schedule", "specstop_confidence",
+                                                      "specstop_confidence_int4"]
+    rows = _serving_rows(record, may_not_draft=(("specstop_confidence", 2), ("specstop_confidence_int4", 2)))
     assert set(rows) == {(m["name"], b) for m in record["methods"] for b in (1, 2)}
     assert rows["draft_k2", 1]["draft_len"] == rows["draft_k2", 2]["draft_len"] == 2
     assert rows["schedule", 1]["draft_len"] == 2 and 1 <= rows["schedule", 2]["draft_len"] < 1.5  # schedule 1:2,2:1
-    assert 1 <= rows["specstop_confidence", 1]["draft_len"] <= 4  # SL_max 4
+    for name in ("specstop_confidence", "specstop_confidence_int4"):
+        assert 1 <= rows[name, 1]["draft_len"] <= 4  # SL_max 4
+        # --proposer-schedule 1:4,2:0: drafts only once a request runs alone
+        assert rows[name, 2]["spec"]["drafts"] < rows[name, 1]["spec"]["drafts"]
+        costs = record["engine_costs"][name][0]
+        assert costs["draft_per_token"]["1"] > 0 and all(v > 0 for v in costs["target_step"].values())
     assert record["versions"]["vllm"] and record["versions"]["torch"] and record["host"]["cpu_model"]
     assert set(record["reference"]) == {"1", "2"}  # no_spec's top-2 logprobs, for the gap where outputs differ
-    assert len(record["runs"]) == 4 * 2 and not record["errors"]
+    assert len(record["runs"]) == 5 * 2 and not record["errors"]
     table = out.with_suffix(".md").read_text()
     assert "| specstop_confidence | 2 |" in table and "None: every method's greedy output equals" in table
 

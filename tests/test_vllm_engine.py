@@ -166,3 +166,47 @@ def test_runner_reports_a_setting_vllm_refuses(exported, tmp_path):
     bad = {**settings["batch_schedule"]["speculative_config"], "num_speculative_tokens_per_batch_size": [[2, 4, 1]]}
     res = run_vllm(tmp_path, pair_dir / "target", [{"name": "bad", "speculative_config": bad}])
     assert "must start at 1" in res["bad"]["error"]
+
+
+def test_proposer_with_a_quantized_draft_and_a_batch_cap_is_lossless(exported, tmp_path):
+    """specstop's proposer with an int4 draft (``draft_quant``) and a per-batch-size cap that turns drafting
+    off at 2+ requests: vLLM's output stays the same as without speculation, drafts run at batch size 1
+    only."""
+    from specstop.export.engines import vllm_proposer_config
+
+    pair_dir, _ = exported
+    policy = {"kind": "confidence", "threshold": 0.2, "sl_max": 5}
+    conf, extra = vllm_proposer_config(str(pair_dir / "draft"), policy, 5, draft_quant="int4",
+                                       schedule=[[1, 1, 5], [2, 8, 0]])
+    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 1, 5], [2, 8, 0]]
+    res = run_vllm(tmp_path, pair_dir / "target", [{"name": "plain"},
+                                                   {"name": "int4", "speculative_config": conf, "additional_config": extra}])
+    for name, r in res.items():
+        assert not r.get("error"), f"{name}:\n{r['error']}"
+    assert res["int4"]["batch1"] == res["plain"]["batch1"] and res["int4"]["batched"] == res["plain"]["batched"]
+    one, batched = res["int4"]["spec"]["batch1"], res["int4"]["spec"]["batched"]
+    assert one["drafts"] > 0 and one["accepted_tokens"] > 0
+    assert batched["drafts"] == 0  # the 4 requests run and finish together: never 1 left alone
+
+
+def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path, monkeypatch):
+    """`specstop calibrate-cost --engine vllm`: the proposer's cost sweep inside vLLM gives a measured cost model
+    (every K of the grid, batch sizes 1 and 2) that says it is vLLM's, and an engine file priced with it says so."""
+    from specstop.eval.cost import load_cost_model
+    from specstop.export.engines import priced_by
+
+    pair_dir, _ = exported
+    for key, value in _vllm_env().items():
+        if key.startswith("VLLM_") or key == "HF_HUB_OFFLINE":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SPECSTOP_VLLM_VENV", str(VLLM_VENV))
+    out = tmp_path / "vllm_cost.json"
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", str(pair_dir / "draft"), "--target",
+                 str(pair_dir / "target"), "--dtype", "float32", "--k-grid", "1,2,4", "--batch-grid", "2",
+                 "--budget", "48", "--draft-quant", "int4", "--out", str(out)]) == 0
+    cost = load_cost_model(out)
+    assert cost.provenance == "measured" and cost.machine["engine"].startswith("vllm 0.")
+    assert cost.machine["draft_quant"] == "int4" and cost.machine["dtype"] == "float32"
+    assert set(cost.target_by_k) == {0, 1, 2, 4} and cost.t_draft > 0
+    assert cost.batch["batch_sizes"] == [1, 2] and set(cost.batch["k_grid"]) == {0, 1, 2, 4}
+    assert priced_by(cost.to_dict(), "vllm").startswith("vllm's own costs")
