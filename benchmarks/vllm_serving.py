@@ -386,14 +386,19 @@ def _predicted_b1(option: dict) -> dict:
 
 def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
     """``--proposer-schedule`` applied to every specstop proposer method, then one copy of each per
-    ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself)."""
+    ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself). Predictions
+    stay only on the methods that run the draft the engines file's cost model timed."""
     from specstop.pair.quantize import check_scheme
 
     schedule = parse_schedule(args.proposer_schedule) if args.proposer_schedule else None
     schemes = [check_scheme(q) for q in args.draft_quant.split(",") if q.strip()] or [None]
+    # The engines file's predictions hold for the draft its cost model timed (calibrate-cost --draft-quant).
+    priced = ((_engines_file(args).get("cost_model") or {}).get("machine") or {}).get("draft_quant")
     out = []
     for m in methods:
         if m["name"] not in PROPOSER_METHODS:
+            if priced and m.get("predicted"):
+                m["predicted"] = None  # vLLM's own float draft runs these, not the timed quantized one
             out.append(m)
             continue
         if schedule:
@@ -403,11 +408,14 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
             m["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
         for scheme in schemes:
             if scheme is None:
+                if priced:
+                    m["predicted"] = None
                 out.append(m)
                 continue
             v = json.loads(json.dumps(m))
             v["name"], v["label"] = f"{m['name']}_{scheme}", f"{m['label']}, {scheme} draft"
-            v["predicted"] = None  # the file's prediction is for the draft it was tuned with
+            if scheme != priced:
+                v["predicted"] = None
             v["additional_config"]["specstop"]["draft_quant"] = scheme
             if m["name"] == "specstop_learned":
                 v["additional_config"]["specstop"]["allow_draft_mismatch"] = True
