@@ -109,7 +109,6 @@ def run(args: ExportSettings) -> int:
 
 def _run(args: ExportSettings, engines: list[str]) -> int:
     from specstop.export.export import export_from_files
-
     from specstop.pair.quantize import check_scheme
 
     args.draft_quant = check_scheme(args.draft_quant)

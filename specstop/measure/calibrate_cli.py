@@ -63,7 +63,8 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     engine: str = setting("transformers", flags=("--engine",))
     """Whose costs: transformers (specstop's own decoders) or vllm (vLLM's CPU build in its own venv,
     `make vllm-env`: the target in vLLM's kernels, the draft in specstop's proposer, per K and --batch-grid
-    size; tune, eval and export then price for vLLM)."""
+    size; tune, eval and export then price for vLLM). With vllm, --dtype auto runs bfloat16 and --budget
+    sizes each request's new tokens (48-256)."""
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
     """--engine vllm: the proposer's draft weights, int8 or int4 (specstop.pair.quantize); null = as loaded."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
@@ -220,7 +221,8 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) if tok.chat_template else tok(t).input_ids for t in texts]
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), max(batch_grid)))]
-    # Tokens per request: enough rounds of every K in the grid at every batch size within about --budget.
+    # With --engine vllm, --budget sizes each request's new tokens (one per budget second, 48-256): the
+    # sweep decodes every prompt at every batch size, so its length is what the budget controls.
     max_tokens = int(min(256, max(48, args.budget)))
     from specstop.measure.vllm_cost import calibrate_in_vllm
 

@@ -14,7 +14,10 @@ Only a draft is ever quantized: the target's distribution is the one decoding mu
 every decoder verifies the draft's proposals against the full-precision target, so a quantized draft
 changes the acceptance rate and the cost of a step, never the output. Which scheme is fastest (and
 whether int4's lower agreement with the target costs more than its cheaper step saves) depends on
-the CPU: measure with ``benchmarks/quantized_draft.py``.
+the CPU. Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX), one-token steps of the 0.5B
+reference draft: bf16 0.112 s, int8 0.060 s, int4 0.025 s; per layer at 100 rows (a prefill) int4 is
+1.7x slower than bf16, and int8 is slower from 9 rows on. In vLLM, ``calibrate-cost --engine vllm
+--draft-quant`` times the quantized draft where it runs.
 """
 
 from __future__ import annotations
