@@ -340,6 +340,18 @@ def _schedule_trtllm(sched: dict, draft: str, target: str, folder: str | None) -
     }
 
 
+def _vllm_ranges(entries: list[dict], k_of) -> list[list[int]]:
+    """``num_speculative_tokens_per_batch_size`` of schedule entries, K = ``k_of(entry K)``. Ranges start at
+    each tuned batch size and run to the next one; vLLM's lookup gives batch sizes above the last range
+    the last K and requires the first range to start at 1."""
+    ranges = []
+    for i, e in enumerate(entries):
+        lo = 1 if i == 0 else e["batch_size"]
+        hi = entries[i + 1]["batch_size"] - 1 if i + 1 < len(entries) else e["batch_size"]
+        ranges.append([lo, hi, k_of(e["k"])])
+    return ranges
+
+
 def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
     """Where the tuned batch schedule runs no speculation (K = 0 at batch size B), specstop's proposer options
     draft nothing at B either: ``num_speculative_tokens_per_batch_size`` gives them their SL_max at the
@@ -352,12 +364,7 @@ def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
         if conf.get("method") != "custom_class":
             continue
         cap = int(conf["num_speculative_tokens"])
-        ranges = []
-        for i, e in enumerate(entries):
-            lo = 1 if i == 0 else e["batch_size"]
-            hi = entries[i + 1]["batch_size"] - 1 if i + 1 < len(entries) else e["batch_size"]
-            ranges.append([lo, hi, cap if e["k"] > 0 else 0])
-        conf["num_speculative_tokens_per_batch_size"] = ranges
+        conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(entries, lambda k, cap=cap: cap if k > 0 else 0)
         opt["command"] = _vllm_command(target, conf, opt.get("additional_config"))
         opt["batch_caps_note"] = ("drafts only at the batch sizes where the tuned batch schedule speculates "
                                   "(K = 0 elsewhere: the draft's cost there exceeds what it saves)")
@@ -367,13 +374,7 @@ def _schedule_vllm(sched: dict, draft: str, target: str, folder: str | None) -> 
     entries = sched["entries"]
     ks = [e["k"] for e in entries]
     k_max = max(ks)
-    # Ranges start at each tuned batch size and run to the next one; vLLM's lookup gives batch
-    # sizes above the last range the last K and requires the first range to start at 1.
-    ranges = []
-    for i, e in enumerate(entries):
-        lo = 1 if i == 0 else e["batch_size"]
-        hi = entries[i + 1]["batch_size"] - 1 if i + 1 < len(entries) else e["batch_size"]
-        ranges.append([lo, hi, e["k"]])
+    ranges = _vllm_ranges(entries, lambda k: k)
     notes = ["each range starts at a tuned batch size; batch sizes above the last range keep its K (vLLM's rule)"]
     if entries[0]["batch_size"] > 1:
         notes.append(f"batch sizes below {entries[0]['batch_size']} were not tuned; they use its K")
