@@ -87,24 +87,6 @@ ALL_METHODS = "no_spec, draft_kK, schedule, specstop_confidence, specstop_learne
 
 
 # ====================================================================== the vLLM worker (vLLM's venv)
-def _shutdown(llm) -> None:
-    import gc
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; a later engine start reports real problems
-        pass
-    del llm
-    gc.collect()
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def _batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
@@ -135,6 +117,7 @@ def worker(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from specstop.decode.vllm_proposer import live_proposers, spec_counters
+    from specstop.measure.vllm_cost import decode_phase, shutdown_engine
 
     result: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                  "transformers": transformers.__version__, "python": platform.python_version()},
@@ -177,16 +160,20 @@ def worker(job: dict) -> dict:
             for r in range(job["repeats"]):
                 for b in _rotated(sizes, job["b_shift"] + r):
                     before = spec_counters(llm)
-                    walls, outs = [], []
+                    walls, outs, phases = [], [], []
                     for batch in _batches(prompts, b):
                         t = time.perf_counter()
                         got = llm.generate(batch, params, use_tqdm=False)
                         walls.append(time.perf_counter() - t)
                         outs += [list(o.outputs[0].token_ids) for o in got]
+                        phases.append(decode_phase(got))
                     after = spec_counters(llm)
                     tokens = sum(len(o) for o in outs)
+                    # The decode phase alone (every prefill done): what the engine files' predictions price.
+                    decode = None if None in phases else {"tokens": sum(p[0] for p in phases),
+                                                          "seconds": sum(p[1] for p in phases)}
                     res["runs"].append({"repeat": r, "batch_size": b, "wall_s": sum(walls), "batch_wall_s": walls,
-                                        "tokens": tokens, "outputs": outs,
+                                        "tokens": tokens, "outputs": outs, "decode": decode,
                                         "spec": {k: after[k] - before[k] for k in after}})
                     _say(f"{name}: B={b} repeat {r}: {tokens} tokens in {sum(walls):.2f} s "
                          f"({tokens / max(sum(walls), 1e-9):.2f} tok/s)")
@@ -197,7 +184,7 @@ def worker(job: dict) -> dict:
             res["error"] = traceback.format_exc()
             _say(f"{name}: failed")
         t0 = time.perf_counter()
-        _shutdown(llm)
+        shutdown_engine(llm)
         res["shutdown_s"] = time.perf_counter() - t0
     return result
 
@@ -384,6 +371,15 @@ def _predicted_b1(option: dict) -> dict:
     return {"1": speed} if speed else {}
 
 
+def _predicted_static(option: dict, k: int, tuned_k: int | None) -> dict | None:
+    """vLLM's draft model at a fixed ``k``: the engines file's price for that K (``predicted_by_k``, where
+    vLLM's own runner was timed), else static_opt's own prediction at its K."""
+    by_k = option.get("predicted_by_k") or {}
+    if str(k) in by_k:
+        return {"1": by_k[str(k)]}
+    return _predicted_b1(option) if k == tuned_k else None
+
+
 def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
     """``--proposer-schedule`` applied to every specstop proposer method, then one copy of each per
     ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself). Predictions
@@ -445,7 +441,7 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
         methods.append({"name": f"draft_k{k}", "label": f"vLLM draft model, K = {k}" + (f" ({', '.join(note)})" if note else ""),
                         "speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k},
                         "source": "--k-grid" if k in user_grid else "--engines static_opt",
-                        "predicted": _predicted_b1(options["static_opt"]) if k == tuned_k else None})
+                        "predicted": _predicted_static(options.get("static_opt") or {}, k, tuned_k)})
     sched = None
     if args.schedule:
         ranges = parse_schedule(args.schedule)
@@ -579,6 +575,22 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _decode_tok_s(runs: list[dict]) -> list[float]:
+    """Decode-phase tok/s of each run (tokens after the first, from the last first token on); [] where vLLM
+    gave no per-request timestamps."""
+    return [r["decode"]["tokens"] / r["decode"]["seconds"] for r in runs
+            if (r.get("decode") or {}).get("seconds", 0) > 0]
+
+
+def _decode_row(runs: list[dict], base: float | None) -> dict:
+    tps = _decode_tok_s(runs)
+    if not tps:
+        return {}
+    med = statistics.median(tps)
+    return {"decode_tok_s": {"median": med, "min": min(tps), "max": max(tps), "n": len(tps)},
+            "decode_speedup": med / base if base else None}
+
+
 def summarize(record: dict, tokenizer) -> dict:
     """Per method and B: tok/s statistics, speedup over no_spec, acceptance, and the output comparison."""
     from specstop.decode.vllm_proposer import SPEC_METRICS
@@ -589,11 +601,13 @@ def summarize(record: dict, tokenizer) -> dict:
         by.setdefault((run["method"], run["batch_size"]), []).append(run)
     ref_pass = record.get("reference") or {}
     summary: dict = {}
-    base_med = {}
+    base_med, base_decode = {}, {}
     for b in sizes:
         runs = by.get(("no_spec", b), [])
         if runs:
             base_med[b] = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+            if decode := _decode_tok_s(runs):
+                base_decode[b] = statistics.median(decode)
     for m in record["methods"]:
         name = m["name"]
         rows = {}
@@ -610,6 +624,7 @@ def summarize(record: dict, tokenizer) -> dict:
                              "all": tps},
                    "speedup": med / base_med[b] if b in base_med else None,
                    "predicted_speedup": predicted,
+                   **_decode_row(runs, base_decode.get(b)),
                    "tokens": [r["tokens"] for r in runs],
                    "spec": spec,
                    "accepted_per_draft": spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else None,
@@ -694,12 +709,29 @@ def markdown(record: dict) -> str:
         lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
     predicted = [(m["name"], b, summary[m["name"]][str(b)]) for m in record["methods"] for b in sizes
                  if (summary.get(m["name"], {}).get(str(b)) or {}).get("predicted_speedup")]
+    decode = [(m["name"], b, summary[m["name"]][str(b)]) for m in record["methods"] for b in sizes
+              if (summary.get(m["name"], {}).get(str(b)) or {}).get("decode_speedup")]
+    if decode:
+        lines += ["", "The decode phase alone (generated tokens after each request's first, timed from the last first "
+                  "token to the last token, vLLM's own per-request timestamps; prefill left out): median tok/s and "
+                  "speedup over no_spec's decode phase:", "",
+                  "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        for m in record["methods"]:
+            cells = []
+            for b in sizes:
+                row = summary.get(m["name"], {}).get(str(b)) or {}
+                cells.append(f"{row['decode_tok_s']['median']:.2f} ({_fmt(row.get('decode_speedup'), '.3f')}x)"
+                             if row.get("decode_tok_s") else "-")
+            lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
     if predicted:
-        lines += ["", "Predicted (the engines file's replay, priced by its cost model) against measured:", "",
-                  "| method | B | predicted | measured | measured / predicted |", "|---|---:|---:|---:|---:|"]
+        lines += ["", "Predicted (the engines file's replay, priced by its cost model; the decode phase, since "
+                  "prefill is not priced) against measured:", "",
+                  "| method | B | predicted | measured, decode phase | decode / predicted | measured, with prefill |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for name, b, row in predicted:
-            p, got = row["predicted_speedup"], row["speedup"]
-            lines.append(f"| {name} | {b} | {p:.3f} | {_fmt(got, '.3f')} | {_fmt(got / p if got else None, '.3f')} |")
+            p, got, dec = row["predicted_speedup"], row["speedup"], row.get("decode_speedup")
+            lines.append(f"| {name} | {b} | {p:.3f} | {_fmt(dec, '.3f')} | {_fmt(dec / p if dec else None, '.3f')} "
+                         f"| {_fmt(got, '.3f')} |")
         if record.get("priced_by"):
             lines.append(f"\nPriced by: {record['priced_by']}")
     if record.get("best_static_k"):

@@ -54,3 +54,91 @@ def test_engine_files_say_whose_costs_priced_them():
     ours = {"provenance": "measured", "name": "cost.json", "machine": {"cpu": "x"}}
     assert "calibrate-cost --engine vllm" in priced_by(ours, "vllm")
     assert "preset" in priced_by({"provenance": "preset", "name": "amx"}, "sglang")
+
+
+def test_vllm_runner_steps_price_its_fixed_k():
+    """vLLM's own draft-model runner, timed per decode step at K = 0 (no speculation), 2 and 4 and at two batch
+    sizes, is kept in the cost model and prices a fixed K as tokens_per_round x step(0) / step(K) at that batch
+    size, interpolated between measured K and never extrapolated past them."""
+    from specstop.measure.engine_cost import runner_speedup
+
+    runner = {"1": {"0": {"step_s": 0.12}, "2": {"step_s": 0.20}, "4": {"step_s": 0.28}},
+              "2": {"0": {"step_s": 0.15}, "2": {"step_s": 0.30}}}
+    cost = cost_model_from_engine(_timings(), engine="vllm 0.32.0", name="c", machine={}, runner=runner)
+    stored = cost.to_dict()["fit"]["vllm_runner"]
+    assert stored["step_s"] == runner
+    assert runner_speedup(stored, 2, 2.5) == pytest.approx(2.5 * 0.12 / 0.20)
+    assert runner_speedup(stored, 3, 3.0) == pytest.approx(3.0 * 0.12 / 0.24)
+    assert runner_speedup(stored, 2, 2.5, batch_size=2) == pytest.approx(2.5 * 0.15 / 0.30)
+    assert runner_speedup(stored, 6, 4.0) is None and runner_speedup(stored, 0, 1.0) is None
+    assert runner_speedup(stored, 2, 2.5, batch_size=4) is None  # not timed at 4 rows
+    assert runner_speedup({"step_s": {"1": {"2": {"step_s": 0.2}}}}, 2, 2.5) is None  # no baseline step
+    assert "vllm_runner" not in cost_model_from_engine(_timings(), engine="vllm", name="c", machine={}).fit
+
+
+def _tuned_with_runner(runner: dict | None, schedule: list[tuple[int, int]] | None = None) -> dict:
+    """A tuned file: static K = 2 priced for the proposer, the replay's tokens per round at K = 1..4, the
+    engine's cost model (with vLLM's runner steps when given) and a batch schedule of (B, K)."""
+    cost = cost_model_from_engine(_timings(), engine="vllm 0.32.0", name="c", machine={}, runner=runner).to_dict()
+    per_k = [{"k": k, "latency_per_token": 0.1, "tokens_per_round": v} for k, v in TOKENS_PER_ROUND.items()]
+    static = {"spec": {"kind": "static", "k": 2},
+              "validation": {"speedup": 1.18, "tokens_per_round": 2.5, "search": {"per_k": per_k}}}
+    tuned = {"policies": {"static_opt": static}, "cost_model": cost, "best": "static_opt"}
+    if schedule:
+        from specstop.export.engines import BATCH_SCHEDULE_FORMAT
+
+        tuned["batch_schedule"] = {"format": BATCH_SCHEDULE_FORMAT, "cost_model": "c", "entries": [
+            {"batch_size": b, "k": k, "predicted_speedup": 1.1 if k else 1.0, "predicted_speedup_by_k": {},
+             "threshold": None} for b, k in schedule]}
+    return tuned
+
+
+TOKENS_PER_ROUND = {1: 1.8, 2: 2.5, 3: 2.9, 4: 3.2}
+
+
+def test_vllm_file_runs_the_best_fixed_k_for_vllms_own_runner():
+    """A tuned static K priced for specstop's proposer is not what vLLM's runner pays: with the runner's steps
+    in the cost model, the vllm file's static_opt runs the K that is best at those steps, with each K's price."""
+    from specstop.export.engines import engine_settings
+
+    runner = {"1": {"0": {"step_s": 0.12}, "1": {"step_s": 0.17}, "2": {"step_s": 0.19}, "4": {"step_s": 0.23}}}
+    opt = engine_settings(_tuned_with_runner(runner), "vllm", draft="D", target="T")["options"]["static_opt"]
+    by_k = {int(k): v for k, v in opt["predicted_by_k"].items()}
+    tpr = TOKENS_PER_ROUND
+    assert by_k == pytest.approx({k: tpr[k] * 0.12 / s for k, s in ((1, 0.17), (2, 0.19), (3, 0.21), (4, 0.23))})
+    assert opt["speculative_config"] == {"model": "D", "num_speculative_tokens": 4} and opt["policy"]["k"] == 4
+    assert opt["predicted"]["speedup"] == pytest.approx(3.2 * 0.12 / 0.23) and "K = 4" in opt["k_note"]
+    assert '"num_speculative_tokens": 4' in opt["command"]
+    # without the runner's steps, the tuned K and its proposer-priced prediction stay
+    opt = engine_settings(_tuned_with_runner(None), "vllm", draft="D", target="T")["options"]["static_opt"]
+    assert opt["speculative_config"]["num_speculative_tokens"] == 2 and "predicted_by_k" not in opt
+
+
+def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
+    """The schedule vLLM's runner runs: at B = 1 and 2 (timed) the K best at the runner's steps, 0 at B = 2 where
+    none beats no speculation; B = 4 (not timed) keeps the tuned K and says so. specstop's proposer options keep
+    the tuned schedule's caps (their costs are the proposer's)."""
+    from specstop.export.engines import engine_settings
+
+    runner = {"1": {"0": {"step_s": 0.12}, "2": {"step_s": 0.19}, "4": {"step_s": 0.23}},
+              "2": {"0": {"step_s": 0.13}, "2": {"step_s": 0.40}, "4": {"step_s": 0.60}}}
+    tuned = _tuned_with_runner(runner, schedule=[(1, 3), (2, 2), (4, 0)])
+    sched = engine_settings(tuned, "vllm", draft="D", target="T")["batch_schedule"]
+    rows = {r["batch_size"]: (r["k"], r["predicted_speedup"]) for r in sched["by_batch_size"]}
+    assert rows[1] == (4, pytest.approx(3.2 * 0.12 / 0.23)) and rows[2] == (0, 1.0) and rows[4] == (0, 1.0)
+    assert sched["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 3, 0], [4, 4, 0]]
+    assert any("batch sizes 1, 2: vLLM's own draft-model runner" in n and "the others" in n for n in sched["notes"])
+
+
+def test_decode_phase_is_timed_from_the_last_first_token():
+    """The decode phase of one generate call: tokens after each request's first, from the moment every request
+    has its first token to the last token; None when vLLM kept no per-request timestamps."""
+    from types import SimpleNamespace as NS
+
+    from specstop.measure.vllm_cost import decode_phase
+
+    def out(n, first, last):
+        return NS(outputs=[NS(token_ids=list(range(n)))], metrics=NS(first_token_ts=first, last_token_ts=last))
+
+    assert decode_phase([out(10, 5.0, 6.0), out(4, 5.2, 5.9)]) == (9 + 3, pytest.approx(0.8))
+    assert decode_phase([NS(outputs=[NS(token_ids=[1])], metrics=None)]) is None

@@ -210,3 +210,23 @@ def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path
     assert set(cost.target_by_k) == {0, 1, 2, 4} and cost.t_draft > 0
     assert cost.batch["batch_sizes"] == [1, 2] and set(cost.batch["k_grid"]) == {0, 1, 2, 4}
     assert priced_by(cost.to_dict(), "vllm").startswith("vllm's own costs")
+
+
+def test_calibrate_cost_times_vllms_own_draft_model_runner(exported, tmp_path, monkeypatch):
+    """With a float draft, calibrate-cost --engine vllm also times vLLM's own draft-model runner per decode step
+    at K = 0 (no speculation) and each K of the grid, at each batch size (tests/test_engine_cost.py prices
+    exports with it)."""
+    from specstop.eval.cost import load_cost_model
+
+    pair_dir, _ = exported
+    for key, value in _vllm_env().items():
+        if key.startswith("VLLM_") or key == "HF_HUB_OFFLINE":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SPECSTOP_VLLM_VENV", str(VLLM_VENV))
+    out = tmp_path / "vllm_cost.json"
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", str(pair_dir / "draft"), "--target",
+                 str(pair_dir / "target"), "--dtype", "float32", "--k-grid", "1,2", "--batch-grid", "2",
+                 "--budget", "48", "--out", str(out)]) == 0
+    runner = load_cost_model(out).fit["vllm_runner"]["step_s"]
+    assert set(runner) == {"1", "2"} and all(set(by_k) == {"0", "1", "2"} for by_k in runner.values())
+    assert all(v["step_s"] > 0 and v["requests"] >= 1 for by_k in runner.values() for v in by_k.values())

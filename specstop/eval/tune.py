@@ -173,7 +173,9 @@ def tune_static(
     best = min(table, key=lambda r: r["latency_per_token"])
     return PolicySpec(kind="static", k=best["k"]), {
         **best,
-        "search": {"per_k": [{"k": r["k"], "latency_per_token": r["latency_per_token"]} for r in table]},
+        # tokens_per_round per K: an engine that runs a fixed K with its own draft costs reprices every K.
+        "search": {"per_k": [{"k": r["k"], "latency_per_token": r["latency_per_token"],
+                              "tokens_per_round": r["tokens_per_round"]} for r in table]},
     }
 
 

@@ -151,6 +151,70 @@ def _vllm(entry: dict, draft: str, target: str, draft_quant: str | None = None) 
             "command": _vllm_command(target, conf, additional), "note": VLLM_PROPOSER_NOTE}
 
 
+def _vllm_runner_costs(tuned: dict) -> tuple[dict | None, dict[int, float]]:
+    """vLLM's own draft-model runner's measured steps (``fit["vllm_runner"]`` of a cost model from
+    ``calibrate-cost --engine vllm``; None without) and the static replay's tokens per round by K."""
+    runner = ((tuned.get("cost_model") or {}).get("fit") or {}).get("vllm_runner")
+    entry = _policy(tuned, "static_opt")
+    if not runner or entry is None:
+        return None, {}
+    valid = entry["validation"]
+    per_k = {int(r["k"]): r.get("tokens_per_round") for r in (valid.get("search") or {}).get("per_k", [])}
+    tuned_k = int(entry["spec"]["k"])
+    per_k[tuned_k] = per_k.get(tuned_k) or valid.get("tokens_per_round")
+    return runner, {k: v for k, v in sorted(per_k.items()) if v}
+
+
+def _runner_prices(tuned: dict, batch_size: int) -> dict[int, float]:
+    """{K: predicted speedup} of vLLM's draft-model runner at ``batch_size`` rows, every K it was timed at."""
+    from specstop.measure.engine_cost import runner_speedup
+
+    runner, per_k = _vllm_runner_costs(tuned)
+    return {k: speed for k, tpr in per_k.items() if (speed := runner_speedup(runner, k, tpr, batch_size))}
+
+
+def _price_vllm_runner(options: dict, tuned: dict, draft: str, target: str) -> None:
+    """vLLM runs a static option with its own draft-model runner, not specstop's proposer. Where
+    ``calibrate-cost --engine vllm`` timed that runner (``fit["vllm_runner"]``), every K the tuning
+    replayed is repriced with the runner's own decode steps at batch size 1, static_opt runs the K that
+    is best there, and ``predicted_by_k`` lists the price of each K."""
+    opt = options.get("static_opt")
+    by_k = _runner_prices(tuned, 1) if opt is not None else {}
+    if not by_k or "custom_class" in json.dumps(opt.get("speculative_config")):
+        return
+    best, tuned_k = max(by_k, key=by_k.__getitem__), int(opt["policy"]["k"])
+    conf = {"model": draft, "num_speculative_tokens": best}
+    opt.update(speculative_config=conf, command=_vllm_command(target, conf), policy={**opt["policy"], "k": best})
+    opt["predicted"] = {"speedup": by_k[best], "tokens_per_round": _vllm_runner_costs(tuned)[1][best],
+                        "priced_by": RUNNER_PRICED}
+    opt["predicted_by_k"] = {str(k): v for k, v in by_k.items()}
+    if best != tuned_k:
+        opt["k_note"] = (f"K = {best}: the best fixed K for vLLM's own draft-model runner at its measured steps "
+                         f"(tune's K = {tuned_k} was priced for specstop's proposer)")
+
+
+#: How the options vLLM runs itself are priced where its draft-model runner was timed.
+RUNNER_PRICED = ("vLLM's own draft-model runner, its decode step timed at each K and without speculation by "
+                 "`specstop calibrate-cost --engine vllm`")
+
+
+def _runner_schedule(sched: dict, tuned: dict) -> dict:
+    """The batch schedule as vLLM's draft-model runner should run it: at each tuned batch size where that
+    runner was timed, the K best at its own steps (0 where none beats no speculation), priced by them;
+    batch sizes it was not timed at keep the tuned K and price (``runner_priced`` False)."""
+    entries = []
+    for e in sched["entries"]:
+        by_k = _runner_prices(tuned, e["batch_size"])
+        if not by_k:
+            entries.append({**e, "runner_priced": False})
+            continue
+        best = max(by_k, key=by_k.__getitem__)
+        k, speed = (best, by_k[best]) if by_k[best] > 1.0 else (0, 1.0)
+        entries.append({**e, "k": k, "predicted_speedup": speed, "runner_priced": True,
+                        "predicted_speedup_by_k": {"0": 1.0, **{str(kk): v for kk, v in by_k.items()}}})
+    return {**sched, "entries": entries}
+
+
 def _vllm_learned(entry: dict, draft: str, target: str, export: str) -> dict:
     from specstop.policy import PolicySpec
 
@@ -565,6 +629,8 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         elif entry is not None and entry["spec"]["kind"] == "predictor" and not draft_quant:  # vLLM: through our proposer
             options[name] = {"policy": entry["spec"], "predicted": _prediction(entry),
                              **_vllm_learned(entry, draft, target, export)}
+    if engine == "vllm" and not draft_quant:
+        _price_vllm_runner(options, tuned, draft, target)
     sched = read_batch_schedule(tuned) if engine in SCHEDULE_ENGINES else None
     if engine == "vllm" and sched is not None:
         _cap_proposer_by_batch(options, sched, target)
@@ -586,7 +652,14 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
     extra = {}
     if sched is not None:
         names = (gguf_source(draft), gguf_source(target)) if engine == "llamacpp" else (draft, target)
+        if engine == "vllm" and _runner_prices(tuned, 1):  # vLLM's runner runs it: its own steps price it
+            sched = _runner_schedule(sched, tuned)
         extra["batch_schedule"] = engine_schedule(sched, engine, *names, folder=folder)
+        priced = [e["batch_size"] for e in sched["entries"] if e.get("runner_priced")]
+        if priced:
+            extra["batch_schedule"]["notes"].append(
+                f"K and predictions at batch sizes {', '.join(map(str, priced))}: {RUNNER_PRICED}"
+                + ("; the others: the tuned K under cost_model" if len(priced) < len(sched["entries"]) else ""))
     if engine == "hf":
         extra["note_hf"] = HF_NOTE
     return {

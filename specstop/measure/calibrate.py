@@ -492,7 +492,7 @@ def checked_side_table(what: str, measure, disagreement) -> dict:
     ``disagreement(table) -> str | None``; a table that disagrees is measured once more (a burst of
     load is not a verdict), and what still disagrees is recorded under ``check`` and warned about.
 
-    Where the second measurement repeats the first (every timing within 10%), the disagreement is
+    Where the second measurement repeats the first (its timings' median ratio within 10%), the disagreement is
     the side path's own cost on this device, not load: on a GPU, for one, a tree forward's 4D mask
     adds launches a chain step does not have. That is said as such (``reproduced``), not blamed on
     a busy machine.
@@ -518,8 +518,8 @@ def checked_side_table(what: str, measure, disagreement) -> dict:
 
 
 def tables_repeat(first: dict, second: dict, tolerance: float = 0.10) -> bool:
-    """Do two measurements of one side table agree, timing by timing (its ``t_*`` sections), within
-    ``tolerance``?"""
+    """Do two measurements of one side table agree: the median ratio of their timings (its ``t_*``
+    sections), entry by entry, within ``tolerance`` of 1?"""
     def leaves(table, prefix=()):
         for key, value in table.items():
             if isinstance(value, dict):
@@ -531,8 +531,9 @@ def tables_repeat(first: dict, second: dict, tolerance: float = 0.10) -> bool:
         return dict(leaves({k: v for k, v in table.items() if str(k).startswith("t_") and isinstance(v, dict)}))
 
     a, b = timings(first), timings(second)
-    shared = a.keys() & b.keys()
-    return bool(shared) and all(abs(a[k] / b[k] - 1) <= tolerance for k in shared)
+    shared = sorted(a.keys() & b.keys())
+    # The median ratio, as the K-table check itself judges a side table: one noisy size is not a verdict.
+    return bool(shared) and abs(float(np.median([a[k] / b[k] for k in shared])) - 1) <= tolerance
 
 
 def calibration_plot(path: Path, cost: CostModel, raw: dict) -> Path:

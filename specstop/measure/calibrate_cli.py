@@ -244,6 +244,9 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
              ", ".join(f"K={k}: {v:.3f}" for k, v in cost.target_by_k.items()), args.out)
     if cost.batch:
         log.info("vLLM batch costs: t_draft(B) %s", ", ".join(f"B={b}: {v:.3f}" for b, v in cost.batch["t_draft"].items()))
+    for b, by_k in ((cost.fit.get("vllm_runner") or {}).get("step_s") or {}).items():
+        log.info("vLLM's own draft-model runner, seconds per decode step at B = %s (prices what vLLM runs itself: "
+                 "a fixed K, the batch schedule): %s", b, ", ".join(f"K={k}: {v['step_s']:.3f}" for k, v in by_k.items()))
     return 0
 
 

@@ -14,6 +14,11 @@ A round of K drafted tokens then costs ``draft_call(K) + target_step(K + 1)``; t
 that as the usual :class:`~specstop.eval.cost.CostModel` (a per-drafted-token slope fitted over K >= 1
 and a per-K table holding the rest), so ``specstop tune``, ``eval`` and ``export`` price policies
 with the engine's costs, and every engine file says which costs priced it.
+
+vLLM's own draft-model runner (a fixed K, the draft in vLLM's kernels) costs what it costs, not what
+specstop's proposer does: its decode step per K, and vLLM's step without speculation, are kept as
+``fit["vllm_runner"]`` (by batch size and K) and price the options vLLM runs itself, a fixed K and
+the per-batch schedule (:func:`runner_speedup`).
 """
 
 from __future__ import annotations
@@ -67,11 +72,30 @@ def _reproduced_shape(costs: dict, table: dict[int, float]) -> dict:
             if reproduced else ""}
 
 
-def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict) -> CostModel:
+def runner_speedup(runner: dict | None, k: int, tokens_per_round: float | None, batch_size: int = 1) -> float | None:
+    """Predicted speedup of vLLM's draft-model runner at a fixed ``k`` over vLLM without speculation, at
+    ``batch_size`` rows: ``tokens_per_round x step(0) / step(k)``, the steps as ``fit["vllm_runner"]``
+    measured them at that batch size (interpolated linearly between measured K, never extrapolated);
+    None where a side was not measured."""
+    at_b = ((runner or {}).get("step_s") or {}).get(str(batch_size)) or {}
+    steps = {int(kk): float(v["step_s"]) for kk, v in at_b.items()}
+    if 0 not in steps or not tokens_per_round or k < 1:
+        return None
+    ks = sorted(kk for kk in steps if kk >= 1)
+    if not ks or k < ks[0] or k > ks[-1]:
+        return None
+    step = float(np.interp(k, ks, [steps[kk] for kk in ks]))
+    return tokens_per_round * steps[0] / step
+
+
+def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict,
+                           runner: dict | None = None) -> CostModel:
     """The cost model of an engine's measured costs (``SpecstopProposer.engine_costs()`` of a cost sweep).
 
     Args:
         costs: ``{"target_step": {"BxL": s}, "draft_call": {"BxK": s}, ...}``.
+        runner: vLLM's own draft-model runner, ``{"B": {"K": {"step_s": s, ...}}}`` (K = "0": without
+            speculation), from :func:`specstop.measure.vllm_cost.time_runner`; kept as ``fit["vllm_runner"]``.
         engine: the engine and version that ran (``"vllm 0.32.0"``), recorded in ``machine`` and ``fit``.
         name: the cost model's name (reports print it).
         machine: where it ran (cpu, dtype, ...), as calibrate-cost records it.
@@ -106,6 +130,10 @@ def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict
         t_target_single=positive[0], provenance="measured", name=name,
         machine={**machine, "engine": engine},
         fit={"engine": engine, "method": "cost sweep of specstop's proposer: round(K) = draft_call(K) + target_step(K+1)",
-             "raw": costs, "check": check},
+             "raw": costs, "check": check,
+             **({"vllm_runner": {"step_s": runner,
+                                 "method": "vLLM's draft-model runner at a fixed K (K = 0: no speculation), B "
+                                           "copies of a prompt per batch: decode-phase seconds per verification "
+                                           "step, median over prompts"}} if runner else {})},
         batch=batch,
     )

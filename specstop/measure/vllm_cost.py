@@ -5,8 +5,11 @@ another), so this module is both sides: :func:`calibrate_in_vllm` (any Python wi
 ``python -m specstop.measure.vllm_cost --worker JOB OUT`` on vLLM's Python, which runs :func:`worker`:
 one ``vllm.LLM`` with specstop's proposer in its cost sweep (:data:`~specstop.decode.vllm_proposer.COST_SWEEP_KEY`),
 greedy decoding of the prompts B at a time for each B of the batch grid, and the proposer's
-``engine_costs()``. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns them into the
-cost model written to ``--out``.
+``engine_costs()``. Then vLLM's own draft-model runner (``speculative_config={"model": DRAFT,
+"num_speculative_tokens": K}``), which runs a fixed K, and vLLM without speculation are timed per
+decode step at batch size 1 (:func:`time_runner`), so the options vLLM runs itself are priced with
+their own costs. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns both into the cost
+model written to ``--out``.
 
 The engine settings are the serving benchmark's (``benchmarks/vllm_serving.py``): the single-process
 executor, eager mode, every CPU of this process's affinity for vLLM's threads, no prefix caching.
@@ -83,6 +86,78 @@ def engine_kwargs(dtype: str, max_model_len: int, max_num_seqs: int) -> dict:
             "enable_prefix_caching": False}
 
 
+def shutdown_engine(llm) -> None:
+    """Stop a ``vllm.LLM``'s engine and free its models before the next one starts (best effort)."""
+    import gc
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; a later engine start reports real problems
+        pass
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def decode_phase(outputs) -> tuple[int, float] | None:
+    """``(tokens, seconds)`` of the decode phase of one ``llm.generate`` call: the tokens after each
+    request's first, and the time from the last request's first token (every prefill done) to the last
+    token. None without vLLM's per-request timestamps (an engine started with ``disable_log_stats=True``)."""
+    stats = [getattr(o, "metrics", None) for o in outputs]
+    if not stats or any(s is None or not getattr(s, "last_token_ts", 0.0) for s in stats):
+        return None
+    tokens = sum(max(len(o.outputs[0].token_ids) - 1, 0) for o in outputs)
+    return tokens, max(s.last_token_ts for s in stats) - max(s.first_token_ts for s in stats)
+
+
+def time_runner(job: dict, prompts: list[dict]) -> dict:
+    """vLLM's own draft-model runner at each K of ``job["runner_k"]`` (K = 0: vLLM without speculation)
+    and each batch size of ``job["batch_sizes"]``: seconds per decode step, i.e. per verification of K
+    drafted tokens in every row. Returns ``{"B": {"K": {"step_s", "requests", "min_s", "max_s"}}}``.
+
+    vLLM counts a draft when it verifies it, so a request's decode phase (first token to last) holds
+    exactly its drafts' steps; without speculation, one step per token after the first. A batch of B
+    copies of one prompt decodes greedily in lockstep (same tokens, same acceptance), so each step has
+    all B rows and the batch's drafts / B is its step count.
+    """
+    from vllm import LLM, SamplingParams
+
+    from specstop.decode.vllm_proposer import spec_counters
+
+    params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=0.0, ignore_eos=True)
+    sizes = [int(b) for b in job.get("batch_sizes") or [1]]
+    out: dict = {}
+    for k in job.get("runner_k") or []:
+        conf = {"model": job["draft"], "num_speculative_tokens": int(k)} if k else None
+        t0 = time.perf_counter()
+        llm = LLM(model=job["target"], speculative_config=conf, disable_log_stats=False, **job["engine"])
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+        for b in sizes:
+            per_step = []
+            for p in prompts if b == 1 else prompts[:2]:  # larger batches: fewer prompts, as many rows
+                before = spec_counters(llm)
+                phase = decode_phase(llm.generate([p] * b, params, use_tqdm=False))
+                steps = (spec_counters(llm)["drafts"] - before["drafts"]) / b if k else (phase[0] / b if phase else 0)
+                if phase and steps > 0:
+                    per_step.append(phase[1] / steps)
+            if per_step:
+                out.setdefault(str(b), {})[str(k)] = {
+                    "step_s": float(sorted(per_step)[len(per_step) // 2]), "requests": len(per_step) * b,
+                    "min_s": min(per_step), "max_s": max(per_step)}
+        shutdown_engine(llm)
+        del llm
+        what = f"draft model K={k}" if k else "no speculation"
+        print(f"[calibrate-cost] vLLM: {what} timed at batch sizes {','.join(map(str, sizes))} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return out
+
+
 def worker(job: dict) -> dict:
     """In vLLM's Python: the cost sweep on ``job`` (see the module doc); returns the engine costs and versions."""
     import torch
@@ -106,14 +181,21 @@ def worker(job: dict) -> dict:
             llm.generate(prompts[i:i + b], params, use_tqdm=False)
         print(f"[calibrate-cost] vLLM: batch size {b} timed ({time.perf_counter() - t0:.0f} s)", flush=True)
     proposer = live_proposers()[-1]
-    return {"costs": proposer.engine_costs(), "draft_quant": proposer.stats.get("draft_quant"),
+    costs, quant = proposer.engine_costs(), proposer.stats.get("draft_quant")
+    shutdown_engine(llm)
+    del llm, proposer
+    # vLLM's own runner loads the draft as vLLM does (never quantized): timed only for a float draft.
+    runner = {} if job.get("draft_quant") else time_runner(job, prompts[: int(job.get("runner_prompts") or 4)])
+    return {"costs": costs, "runner": runner, "draft_quant": quant,
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
 
 
 def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_grid: list[int], batch_sizes: list[int],
                       max_tokens: int, dtype: str, draft_quant: str | None, python: str | None, log_path: Path,
-                      machine: dict, name: str):
-    """Run :func:`worker` in vLLM's Python and return ``(CostModel, raw worker result)``.
+                      machine: dict, name: str, runner_k: list[int] | None = None):
+    """Run :func:`worker` in vLLM's Python and return ``(CostModel, raw worker result)``. ``runner_k``: the K
+    at which vLLM's own draft-model runner is timed (0: without speculation); None: 0 and every K >= 1
+    of ``k_grid``; [] or a quantized draft: not timed.
 
     Raises:
         UserError: vLLM's Python cannot import vLLM, or the engine failed (the log's tail is in the message).
@@ -122,9 +204,10 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
 
     exe = vllm_python(python)
     grid = sorted({0, *(int(k) for k in k_grid)})
+    runner_k = grid if runner_k is None else sorted({int(k) for k in runner_k})
     longest = max(map(len, prompts)) + max_tokens + max(grid) + 16
     job = {"draft": draft, "target": target, "prompts": prompts, "k_grid": grid, "batch_sizes": batch_sizes,
-           "max_tokens": max_tokens, "draft_quant": draft_quant,
+           "max_tokens": max_tokens, "draft_quant": draft_quant, "runner_k": runner_k,
            "engine": engine_kwargs(dtype, -(-longest // 128) * 128, max(batch_sizes))}
     with tempfile.TemporaryDirectory(prefix="specstop_vllm_cost_") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
@@ -145,7 +228,8 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
         raw = json.loads(out_path.read_text())
     engine = f"vllm {raw['versions']['vllm']}"
     machine = {**machine, "dtype": dtype, "draft_quant": draft_quant, "torch": raw["versions"]["torch"]}
-    return cost_model_from_engine(raw["costs"], engine=engine, name=name, machine=machine), raw
+    return cost_model_from_engine(raw["costs"], engine=engine, name=name, machine=machine,
+                                  runner=raw.get("runner")), raw
 
 
 def _main(argv: list[str]) -> int:
