@@ -19,6 +19,10 @@ Methods (greedy):
                         POLICY (confidence:T, static:K, an export folder, or tuned:NAME for a rule of --tuned,
                         e.g. tuned:confidence_opt), on the same workers and window as plain PEARL (no prediction)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
+    ours[int4] <policy> --draft-quant int8,int4: each rule --policy again with the draft's weights in weight-only
+                        int8 / int4 (specstop.pair.quantize; the same target, in the same run), no prediction
+                        (the dataset's acceptance is the float draft's); learned exports are left out (their
+                        features are the float draft's)
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
 end and decode-only), tokens per round, measured seconds per round beside the cost model's
@@ -41,6 +45,24 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def quantized_pairs(pair, schemes: str) -> list[tuple[str, object]]:
+    """``(scheme, pair)`` per scheme of the comma list: the same target, a quantized copy of the draft."""
+    import copy
+    import dataclasses
+
+    from specstop.pair.loader import quantize_draft
+    from specstop.pair.quantize import check_scheme
+
+    out = []
+    for scheme in filter(None, (check_scheme(s) for s in schemes.split(",") if s.strip())):
+        variant = dataclasses.replace(pair, draft=copy.deepcopy(pair.draft))
+        record = quantize_draft(variant, scheme)
+        print(f"draft in {scheme}: {record['bytes_before'] / 1e6:.0f} -> {record['bytes_after'] / 1e6:.0f} MB of linear "
+              "weights")
+        out.append((scheme, variant))
+    return out
 
 
 def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list[int]], int, list[str]]:
@@ -134,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cost", help="cost model (cost.json from `specstop calibrate-cost`, or a preset)")
     ap.add_argument("--node-head", metavar="CKPT",
                     help="a tree_node_mlp checkpoint: every dynamic tree policy (tree:N) also runs grown by it")
+    ap.add_argument("--draft-quant", default="", metavar="SCHEMES",
+                    help="comma list of int8,int4: every rule --policy also with the draft quantized so")
     ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
@@ -170,6 +194,7 @@ def main(argv=None) -> int:
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned else None
     replay_rows = json.loads(Path(args.replay_report).read_text()).get("rows") or {} if args.replay_report else {}
     kw = {"static_cache": args.static_cache, "compile": args.compile}
+    quantized = quantized_pairs(pair, args.draft_quant)
 
     base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), DecodingConfig(), **kw)
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
@@ -248,6 +273,13 @@ def main(argv=None) -> int:
         dec = SpeculativeDecoder(pair, pol, DecodingConfig(), **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
+        for scheme, qpair in quantized:
+            if pol.spec.kind == "predictor":
+                print(f"ours[{scheme}] {name}: left out (a learned policy reads the float draft's features)")
+                continue
+            qpol = StoppingPolicy.from_spec(pol.spec)
+            methods.append(online.decoder_method(f"ours[{scheme}] {name}",
+                                                 SpeculativeDecoder(qpair, qpol, DecodingConfig(), **kw), spec=pol.spec))
         if args.hf_policies:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     if args.hf_default:

@@ -26,7 +26,7 @@ SMOKE = {
     "dataset_stats.py": "{data}",
     "float32_gemm.py": "--reps 1 --rows 1",
     "online_speedup.py": "--pair {pair} --prompt hello --policy static:2 --policy mcsd:2,1 --limit 1 --repeats 1 "
-                         "--max-new-tokens 4 --dtype float32 --device cpu --out {out}",
+                         "--max-new-tokens 4 --dtype float32 --device cpu --draft-quant int8 --out {out}",
     "replay_speed.py": "--tokens 2000 --tokens-per-prompt 100",
     "stopping_headroom.py": "--data {data} --split test --out {tmp}/headroom",
     "theorem1_check.py": "--pair {pair} --limit 1 --seeds 1 --max-new-tokens 4 --dtype float32 --out {out}",

@@ -60,7 +60,7 @@ def test_vllm_runner_steps_price_its_fixed_k():
     """vLLM's own draft-model runner, timed per decode step at K = 0 (no speculation), 2 and 4 and at two batch
     sizes, is kept in the cost model and prices a fixed K as tokens_per_round x step(0) / step(K) at that batch
     size, interpolated between measured K and never extrapolated past them."""
-    from specstop.measure.engine_cost import runner_speedup
+    from specstop.eval.cost import runner_speedup
 
     runner = {"1": {"0": {"step_s": 0.12}, "2": {"step_s": 0.20}, "4": {"step_s": 0.28}},
               "2": {"0": {"step_s": 0.15}, "2": {"step_s": 0.30}}}

@@ -7,6 +7,8 @@ lossless: the chain decoder's greedy output stays the target's own.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -155,3 +157,64 @@ def test_a_quantized_draft_keeps_greedy_decoding_lossless(scheme):
         res = SpeculativeDecoder(pair, "confidence:0.3").generate(prompt, 24)
         assert res.token_ids == reference
         assert sum(res.accepted_per_round) > 0  # the quantized draft still proposes what the target accepts
+
+
+def test_a_quantized_draft_is_a_pair_option_recorded_in_its_identity(tiny_pair_dir, tmp_path):
+    """load_pair(draft_quant=...) quantizes the draft and records the scheme in its identity: the float and the
+    quantized draft are otherwise the same model (files, sizes, fingerprint), so only ``quant`` tells data,
+    checkpoints and exports of one from the other, and both checks refuse to mix them (older records without
+    the field are not compared)."""
+    from specstop.export.reading import identity_matches
+    from specstop.pair.identity import pair_difference
+    from specstop.pair.loader import load_pair
+
+    d, t = str(tiny_pair_dir / "draft"), str(tiny_pair_dir / "target")
+    plain = load_pair(d, t, dtype="float32", device="cpu")
+    quant = load_pair(d, t, dtype="float32", device="cpu", draft_quant="int8")
+    assert plain.draft_identity.quant is None and quant.draft_identity.quant == "int8"
+    assert quant.draft.specstop_draft_quant["scheme"] == "int8" and plain.target_identity.quant is None
+    a, b = plain.to_dict(), quant.to_dict()
+    assert a["draft"]["weights_sha256"] == b["draft"]["weights_sha256"]  # same files: the fingerprint cannot tell
+    assert pair_difference(a, b) == "draft quantization 'none (as loaded)' vs 'int8'"
+    older = {**a, "draft": {k: v for k, v in a["draft"].items() if k != "quant"}}
+    assert pair_difference(older, b) is None
+    ok, why = identity_matches(quant.draft_identity, {"draft": a["draft"]})
+    assert not ok and "quantization 'int8' (yours) vs 'none (as loaded)' (export)" in why
+    assert identity_matches(quant.draft_identity, {"draft": b["draft"]}) == (True, "")
+    with pytest.raises(UserError, match="choose one of"):
+        load_pair(d, t, dtype="float32", device="cpu", draft_quant="int3")
+
+
+def test_generate_with_a_quantized_draft_records_it(tiny_pair_dir, tmp_path):
+    """`specstop generate --draft-quant int8` labels with the quantized draft and says so in the manifest."""
+    import json
+
+    from specstop.cli import main
+    from specstop.data_gen import storage
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "question": f"question number {i}?"}) + "\n" for i in range(4)))
+    out = tmp_path / "ds"
+    assert main(["generate", "--pair", str(tiny_pair_dir), "--prompts", str(prompts), "--prompt-field", "question",
+                 "--split-scheme", "random", "--max-new-tokens", "8", "--out", str(out), "--device", "cpu",
+                 "--dtype", "float32", "--draft-quant", "int8", "--no-progress"]) == 0
+    assert storage.read_manifest(out)["pair"]["draft"]["quant"] == "int8"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_blocks_of_many_rows_run_on_the_float_copy(scheme):
+    """With ``prefill_rows``, a block of at least that many rows (a prefill) multiplies by the float weight and
+    a shorter one (a decode step) by the packed one; the float copies are counted apart from the packed bytes."""
+    lin = _linear(out_features=48, in_features=128, dtype=torch.bfloat16, seed=3)
+    packed = Int8WeightOnlyLinear(lin) if scheme == "int8" else Int4WeightOnlyLinear(lin, 32)
+    hybrid = Int8WeightOnlyLinear(lin, prefill_rows=4) if scheme == "int8" else Int4WeightOnlyLinear(lin, 32, 4)
+    few, many = torch.randn(1, 3, 128, dtype=torch.bfloat16), torch.randn(1, 4, 128, dtype=torch.bfloat16)
+    torch.testing.assert_close(hybrid(few), packed(few), rtol=0, atol=0)
+    expected = torch.nn.functional.linear(many.reshape(4, 128), lin.weight) + lin.bias
+    torch.testing.assert_close(hybrid(many).reshape(4, 48), expected, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(hybrid(many), packed(many))
+    model = nn.Sequential(_linear(64, 128, dtype=torch.bfloat16), nn.ReLU(), _linear(16, 64, dtype=torch.bfloat16))
+    plain = quantize_weights(copy.deepcopy(model), scheme)
+    record = quantize_weights(model, scheme, prefill_rows=16)
+    assert record["bytes_after"] == plain["bytes_after"] and record["prefill_rows"] == 16 and record["kept"] == 0
+    assert record["prefill_copy_bytes"] == (64 * 128 + 16 * 64) * 2 and plain["prefill_copy_bytes"] == 0

@@ -186,9 +186,11 @@ def test_settings_are_required(tiny_pair_dir):
         SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "predictor", "family": "disco_ffn"}))
 
 
-def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_dir, loaded, exports):
+def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_dir, loaded, exports, tmp_path):
     """``draft_quant``: the proposer drafts with the int4 copy of the draft (every linear replaced), its drafts
     are that copy's argmax stopped where the policy says, and the output is still the target's."""
+    from specstop.pair.quantize import PREFILL_ROWS
+
     policy = {"kind": "confidence", "threshold": 0.1, "sl_max": 5}
     cfg = _config(tiny_pair_dir / "draft", policy)
     cfg.additional_config["specstop"]["draft_quant"] = "int4"
@@ -202,6 +204,12 @@ def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_
         for t in o:
             assert t == _greedy(loaded.target, seq, loaded.vocab_size)
             seq.append(t)
+    # Every block the proposer fed here was under PREFILL_ROWS rows (packed kernels); the brute-force check
+    # feeds whole sequences, so it runs the packed kernels at any length too.
+    for m in proposer.model.modules():
+        if hasattr(m, "prefill_rows"):
+            assert m.prefill_rows == PREFILL_ROWS["int4"]
+            m.prefill_rows = None
     quantized = SimpleNamespace(draft=proposer.model, vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
     _check_rounds(rounds, quantized, policy, 6)
     costs = proposer.engine_costs()  # rows of one request each step here: B = 1 and 2
@@ -214,6 +222,20 @@ def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_
         SpecstopProposer(cfg)
     cfg.additional_config["specstop"]["allow_draft_mismatch"] = True
     assert SpecstopProposer(cfg).draft_quant == "int4"
+    # an export trained on the int4 draft's data (generate --draft-quant int4) runs on it, and not on the float one
+    import json
+    import shutil
+
+    int4_export = tmp_path / "disco_int4"
+    shutil.copytree(exports["disco"], int4_export)
+    config = json.loads((int4_export / "config.json").read_text())
+    config["pair"]["draft"]["quant"] = "int4"
+    (int4_export / "config.json").write_text(json.dumps(config))
+    cfg = _config(tiny_pair_dir / "draft", str(int4_export))
+    cfg.additional_config["specstop"]["draft_quant"] = "int4"
+    assert SpecstopProposer(cfg).draft_quant == "int4"
+    with pytest.raises(UserError, match="features of the int4 draft, and this proposer runs the float draft"):
+        SpecstopProposer(_config(tiny_pair_dir / "draft", str(int4_export)))
 
 
 def test_cost_sweep_drafts_exactly_each_k_and_times_it(tiny_pair_dir, loaded):

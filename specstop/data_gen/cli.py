@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     with claim_output_dir(cfg.out, role=role, command=f"specstop generate --data {cfg.out}"):
         pair = load_named_pair(
             cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
-            target_device_map=cfg.target_device_map, dtype_workload="generate",
+            target_device_map=cfg.target_device_map, dtype_workload="generate", draft_quant=cfg.draft_quant,
         )
         from specstop.memory import PeakRSS
 

@@ -134,7 +134,8 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
     text = _read_stdin() if args.prompt == "-" else args.prompt
     if not text.strip():
         raise UserError("--prompt is empty; give the text to continue ('-' reads it from stdin)")
-    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
+                           draft_quant=args.draft_quant)
     from specstop.pair.context import check_fits
 
     if pearl is not None:

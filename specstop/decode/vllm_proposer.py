@@ -88,6 +88,15 @@ def live_proposers() -> list:
     return sorted(_LIVE, key=lambda p: p.created)
 
 
+def _export_draft_quant(folder: str) -> str | None:
+    """The weight-only scheme of the draft a learned export was trained with (its ``pair.draft.quant``;
+    None: the float draft, or an export from before the field)."""
+    from specstop.export.reading import read_export_config
+
+    config = read_export_config(Path(folder) / "config.json")
+    return ((config.get("pair") or {}).get("draft") or {}).get("quant") or None
+
+
 def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[int]:
     """``num_speculative_tokens_per_batch_size`` as vLLM expands it: index B -> K (clamped to ``k_max``;
     gaps between ranges keep the previous K, batch sizes past the last range keep its K).
@@ -192,10 +201,13 @@ class SpecstopProposer:
                 raise UserError(f"{PROPOSER_CLASS}: a learned policy is given as its export folder, not as its spec")
             return StoppingPolicy.from_spec(spec)
         if isinstance(policy, str) and Path(policy).is_dir():
-            if self.draft_quant and not allow_mismatch:
-                raise UserError(f"{PROPOSER_CLASS}: the learned policy {policy} was trained on the draft's own "
-                                f"features, not on its {self.draft_quant} copy's; give a rule, or set "
-                                "allow_draft_mismatch: true to run it anyway")
+            trained_on = _export_draft_quant(policy)
+            if (trained_on or None) != self.draft_quant and not allow_mismatch:
+                raise UserError(f"{PROPOSER_CLASS}: the learned policy {policy} was trained on the features of "
+                                f"the {trained_on or 'float'} draft, and this proposer runs the "
+                                f"{self.draft_quant or 'float'} draft; export one "
+                                "trained with the same --draft-quant, give a rule, or set allow_draft_mismatch: "
+                                "true to run it anyway")
             return StoppingPolicy.from_pretrained(policy, draft_identity=self.draft, allow_draft_mismatch=allow_mismatch)
         if isinstance(policy, str):
             return StoppingPolicy.from_string(policy)
@@ -209,12 +221,14 @@ class SpecstopProposer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from specstop.pair.fast_paths import install_fast_paths
-        from specstop.pair.quantize import quantize_weights
+        from specstop.pair.quantize import PREFILL_ROWS, quantize_weights
 
         self.model = AutoModelForCausalLM.from_pretrained(self.draft, dtype=self.dtype).eval()
         self.model.requires_grad_(False)
         if self.draft_quant:
-            self.stats["draft_quant"] = quantize_weights(self.model, self.draft_quant)
+            # Prefill rows (a new request's catch-up) on a float copy: the packed kernels lose there.
+            self.stats["draft_quant"] = quantize_weights(self.model, self.draft_quant,
+                                                         prefill_rows=PREFILL_ROWS[self.draft_quant])
         install_fast_paths(self.model)
         self.vocab_size = len(AutoTokenizer.from_pretrained(self.draft))
         self.policy.configure(DecodingConfig(), self.vocab_size)

@@ -317,3 +317,19 @@ def load_cost_model(spec: str | Path | dict | CostModel) -> CostModel:
         f"unknown cost model {s!r}: give a preset ({', '.join(PRESETS)}) or a cost.json written by "
         "`specstop calibrate-cost`"
     )
+
+
+def runner_speedup(runner: dict | None, k: int, tokens_per_round: float | None, batch_size: int = 1) -> float | None:
+    """Predicted speedup of vLLM's draft-model runner at a fixed ``k`` over vLLM without speculation, at
+    ``batch_size`` rows: ``tokens_per_round x step(0) / step(k)``, the steps as ``fit["vllm_runner"]``
+    measured them at that batch size (interpolated linearly between measured K, never extrapolated);
+    None where a side was not measured."""
+    at_b = ((runner or {}).get("step_s") or {}).get(str(batch_size)) or {}
+    steps = {int(kk): float(v["step_s"]) for kk, v in at_b.items()}
+    if 0 not in steps or not tokens_per_round or k < 1:
+        return None
+    ks = sorted(kk for kk in steps if kk >= 1)
+    if not ks or k < ks[0] or k > ks[-1]:
+        return None
+    step = float(np.interp(k, ks, [steps[kk] for kk in ks]))
+    return tokens_per_round * steps[0] / step

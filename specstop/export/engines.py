@@ -167,7 +167,7 @@ def _vllm_runner_costs(tuned: dict) -> tuple[dict | None, dict[int, float]]:
 
 def _runner_prices(tuned: dict, batch_size: int) -> dict[int, float]:
     """{K: predicted speedup} of vLLM's draft-model runner at ``batch_size`` rows, every K it was timed at."""
-    from specstop.measure.engine_cost import runner_speedup
+    from specstop.eval.cost import runner_speedup
 
     runner, per_k = _vllm_runner_costs(tuned)
     return {k: speed for k, tpr in per_k.items() if (speed := runner_speedup(runner, k, tpr, batch_size))}

@@ -55,6 +55,11 @@ def identity_matches(expected: Any, exported: dict) -> tuple[bool, str]:
         if name is not None and not _same_name(want_draft, name):
             return False, f"draft {want_draft!r} (yours) vs {name!r} (export)"
         return True, ""
+    from specstop.pair.identity import quant_differs, quant_label
+
+    if quant_differs(want_draft, exp_draft):
+        return False, (f"draft quantization {quant_label(want_draft)} (yours) vs {quant_label(exp_draft)} (export): "
+                       "the predictor learned the features and acceptance of the draft it was trained with")
     # The weights fingerprint decides when both sides have one of the same kind (file-based or
     # in-memory): a draft with the same name and size but other weights is another model, and the
     # same weights under another folder name are the same model.

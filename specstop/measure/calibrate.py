@@ -274,6 +274,8 @@ def machine_record(pair, context_tokens: int) -> dict:
         "context_tokens": int(context_tokens),
         "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if getattr(pair.draft_identity, "quant", None):  # the same key calibrate-cost --engine vllm writes
+        rec["draft_quant"] = pair.draft_identity.quant
     if dev.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(dev)
     return rec

@@ -66,7 +66,8 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     size; tune, eval and export then price for vLLM). With vllm, --dtype auto runs bfloat16 and --budget
     sizes each request's new tokens (48-256)."""
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
-    """--engine vllm: the proposer's draft weights, int8 or int4 (specstop.pair.quantize); null = as loaded."""
+    """int8 | int4: the draft's weights in weight-only int8/int4 (specstop.pair.quantize), here or, with
+    --engine vllm, in specstop's proposer inside vLLM; null = as loaded."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
 
@@ -113,8 +114,6 @@ def run(args: CalibrateSettings) -> int:
         raise UserError(f"--engine {args.engine!r}: choose transformers (specstop's decoders) or vllm")
     if engine == "vllm":
         return _run_vllm(args, k_grid)
-    if args.draft_quant:
-        raise UserError("--draft-quant applies to --engine vllm (specstop's proposer quantizes its draft there)")
     from specstop.config_io import check_range
 
     check_range("--context-tokens", args.context_tokens, low=1)  # 0 used to mean "the default" silently
@@ -126,7 +125,8 @@ def run(args: CalibrateSettings) -> int:
     from specstop.outputs import check_writable
 
     check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
-    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device)
+    pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
+                           draft_quant=args.draft_quant)
     from specstop.pair.context import check_fits
 
     check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "

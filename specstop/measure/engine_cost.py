@@ -18,7 +18,7 @@ with the engine's costs, and every engine file says which costs priced it.
 vLLM's own draft-model runner (a fixed K, the draft in vLLM's kernels) costs what it costs, not what
 specstop's proposer does: its decode step per K, and vLLM's step without speculation, are kept as
 ``fit["vllm_runner"]`` (by batch size and K) and price the options vLLM runs itself, a fixed K and
-the per-batch schedule (:func:`runner_speedup`).
+the per-batch schedule (:func:`specstop.eval.cost.runner_speedup`).
 """
 
 from __future__ import annotations
@@ -70,22 +70,6 @@ def _reproduced_shape(costs: dict, table: dict[int, float]) -> dict:
     return {"reproduced": reproduced, "warnings": [], "problems": [],
             "note": "verification cheaper than a shorter one at these K, in both halves of the engine's samples"
             if reproduced else ""}
-
-
-def runner_speedup(runner: dict | None, k: int, tokens_per_round: float | None, batch_size: int = 1) -> float | None:
-    """Predicted speedup of vLLM's draft-model runner at a fixed ``k`` over vLLM without speculation, at
-    ``batch_size`` rows: ``tokens_per_round x step(0) / step(k)``, the steps as ``fit["vllm_runner"]``
-    measured them at that batch size (interpolated linearly between measured K, never extrapolated);
-    None where a side was not measured."""
-    at_b = ((runner or {}).get("step_s") or {}).get(str(batch_size)) or {}
-    steps = {int(kk): float(v["step_s"]) for kk, v in at_b.items()}
-    if 0 not in steps or not tokens_per_round or k < 1:
-        return None
-    ks = sorted(kk for kk in steps if kk >= 1)
-    if not ks or k < ks[0] or k > ks[-1]:
-        return None
-    step = float(np.interp(k, ks, [steps[kk] for kk in ks]))
-    return tokens_per_round * steps[0] / step
 
 
 def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict,

@@ -5,7 +5,8 @@ exports: the pair name, both models' architecture, sizes, dtype and weights fing
 tokenizer hash. :func:`pair_difference` names the first field two records disagree on; fields
 missing on either side (records written before the field existed, synthetic datasets) are not
 compared, and a weights fingerprint is only compared with one of its own kind (file-based vs
-in-memory).
+in-memory). A draft quantized by ``--draft-quant`` has the float draft's identity plus ``quant``:
+data, checkpoints and exports of one are refused for the other.
 
 ``generate`` resumes only with the same pair *and dtype* (labels depend on both); later stages
 (train, tune, eval, export) compare the models and the tokenizer but not the dtype or the pair's
@@ -62,7 +63,19 @@ def pair_difference(expected: dict | None, actual: dict | None, *, dtype: bool =
                 continue  # a file fingerprint and an in-memory one cannot be compared
             label = "weights (fingerprint)" if key == "weights_sha256" else key
             return f"{role} {label} {_short(u)} vs {_short(v)}"
+        if quant_differs(x, y):
+            return f"{role} quantization {quant_label(x)} vs {quant_label(y)}"
     return None
+
+
+def quant_differs(a: dict, b: dict) -> bool:
+    """Do two model records run different weight-only schemes? Only records that both say (``quant``,
+    None meaning the float model) are compared; older records without the field are not."""
+    return "quant" in a and "quant" in b and (a["quant"] or None) != (b["quant"] or None)
+
+
+def quant_label(record: dict) -> str:
+    return repr(record.get("quant") or "none (as loaded)")
 
 
 def check_same_pair(

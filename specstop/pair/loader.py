@@ -88,6 +88,9 @@ class ModelIdentity:
     # Content fingerprint of the weights (specstop.pair.weights): two drafts with the same name and
     # size but other weights differ here.
     weights_sha256: str | None = None
+    # The weight-only scheme the model runs in ("int8", "int4"; None: as loaded). Its identity is the
+    # float model's otherwise (same files, sizes and fingerprint), so this field alone tells them apart.
+    quant: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -246,6 +249,7 @@ def load_pair(
     target_revision: str | None = None,
     name: str | None = None,
     dtype_workload: str = "decode",
+    draft_quant: str | None = None,
 ) -> ModelPair:
     """Load a draft and a target that share a tokenizer.
 
@@ -257,17 +261,26 @@ def load_pair(
             ``generate`` (batched data generation).
         device: device for the draft (and the target unless ``target_device_map`` is given).
         target_device_map: e.g. ``"auto"`` to spread a target larger than one GPU.
+        draft_quant: "int8" or "int4": the draft's linear layers (output head included) in weight-only
+            int8/int4 (:mod:`specstop.pair.quantize`, CPU), recorded in its identity (``quant``), so
+            data, checkpoints and exports made with it are told apart from the float draft's.
 
     Raises:
         TokenizerMismatchError: the tokenizers differ (names the first differing token).
     """
     from specstop.pair.preflight import check_dtype_name, check_pair_fits, loading_errors
-    from specstop.pair.sources import check_device, locate_model, weights_folder
 
     # Fail in a second, with the fix, rather than deep inside transformers: the device, the
     # folders (or hub ids), the dtype name and whether both models fit in memory.
+    from specstop.pair.quantize import check_scheme
+    from specstop.pair.sources import check_device, locate_model, weights_folder
+
     check_device(device)
     check_dtype_name(dtype)
+    draft_quant = check_scheme(draft_quant)
+    if draft_quant and str(device or default_device()).startswith("cuda"):
+        raise UserError(f"--draft-quant {draft_quant}: the weight-only kernels are CPU ones; load the pair with "
+                        "--device cpu, or leave the draft unquantized on a GPU")
     draft_src = locate_model(draft, "draft", draft_revision)
     target_src = locate_model(target, "target", target_revision)
     with loading_errors(f"draft {draft!r}"):
@@ -302,7 +315,24 @@ def load_pair(
         target_path=weights_folder(target_src, target_revision),
     )
     pair.dtype_choice = choice
+    if draft_quant:
+        quantize_draft(pair, draft_quant)
     return pair
+
+
+def quantize_draft(pair: ModelPair, scheme: str) -> dict:
+    """Quantize ``pair``'s draft in place (:func:`specstop.pair.quantize.quantize_weights`) and record the
+    scheme in its identity; returns the quantization record (layers, bytes before and after)."""
+    from dataclasses import replace
+
+    from specstop.pair.quantize import PREFILL_ROWS, quantize_weights
+
+    record = quantize_weights(pair.draft, scheme, prefill_rows=PREFILL_ROWS.get(scheme))
+    pair.draft_identity = replace(pair.draft_identity, quant=record["scheme"])
+    log.info("draft in weight-only %s: %d linear layers, %.0f -> %.0f MB per decode step (blocks of %s+ rows on a "
+             "%.0f MB float copy)", record["scheme"], record["layers"], record["bytes_before"] / 1e6,
+             record["bytes_after"] / 1e6, record["prefill_rows"], record["prefill_copy_bytes"] / 1e6)
+    return record
 
 
 def _dtype_record(dtype, device: str | None, *, pair: tuple[str, str] | None = None, workload: str = "decode") -> dict:

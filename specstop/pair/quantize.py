@@ -15,8 +15,10 @@ every decoder verifies the draft's proposals against the full-precision target, 
 changes the acceptance rate and the cost of a step, never the output. Which scheme is fastest (and
 whether int4's lower agreement with the target costs more than its cheaper step saves) depends on
 the CPU. Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX), one-token steps of the 0.5B
-reference draft: bf16 0.112 s, int8 0.060 s, int4 0.025 s; per layer at 100 rows (a prefill) int4 is
-1.7x slower than bf16, and int8 is slower from 9 rows on. In vLLM, ``calibrate-cost --engine vllm
+reference draft: bf16 0.112 s, int8 0.060 s, int4 0.025 s; a prefill of 150 rows takes bf16 0.44 s,
+int8 1.22 s and int4 0.93 s. So a quantized draft keeps a float copy of its weights for blocks of
+:data:`PREFILL_ROWS` rows and more (``prefill_rows``): its decode steps stream the packed weights, its
+prefills run at bf16's speed, for the float copy's memory. In vLLM, ``calibrate-cost --engine vllm
 --draft-quant`` times the quantized draft where it runs.
 """
 
@@ -29,6 +31,10 @@ from specstop.errors import UserError
 
 #: Weight-only schemes a draft can be quantized with.
 SCHEMES = ("int8", "int4")
+#: Rows from which a block runs on a float copy of the weights (a prefill): where the packed kernels
+#: start to lose to bf16 for the 0.5B reference draft, whole forwards timed on the 2-core Zen 4
+#: (int8 slower from 8 rows, int4 from 16; at 150 rows 1.22 s and 0.93 s against bf16's 0.44 s).
+PREFILL_ROWS = {"int8": 8, "int4": 16}
 #: int4 group sizes tried, largest first: the inputs sharing one scale and zero point.
 INT4_GROUPS = (128, 64, 32)
 INT4_GROUP = INT4_GROUPS[0]
@@ -40,14 +46,37 @@ def _flatten(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features).contiguous()
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What both weight-only layers share: an optional float copy for blocks of many rows.
+
+    The packed kernels win where a step streams the weights for a few rows (decoding); a prefill of
+    hundreds of rows is compute-bound, and there they lose to the float matmul (see the module doc).
+    With ``prefill_rows`` set, blocks of at least that many rows run on a float copy of the weight.
+    """
+
+    prefill_rows: int | None = None
+
+    def _keep_float(self, linear: nn.Linear, prefill_rows: int | None) -> None:
+        self.prefill_rows = prefill_rows
+        self.register_buffer("float_weight", linear.weight.detach().clone() if prefill_rows is not None else None)
+
+    def _float_rows(self, flat: torch.Tensor) -> bool:
+        return self.prefill_rows is not None and flat.shape[0] >= self.prefill_rows
+
+    def _float_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        w = self.float_weight if self.float_weight.dtype == flat.dtype else self.float_weight.to(flat.dtype)
+        return torch.nn.functional.linear(flat, w)
+
+
+class Int8WeightOnlyLinear(_WeightOnlyLinear):
     """``y = x W^T + b`` with ``W`` stored as int8, one scale per output channel (symmetric).
 
     Args:
         linear: the layer to replace; its weight ``[out, in]`` is quantized, its bias kept.
+        prefill_rows: blocks of at least this many rows run on a float copy of the weight (None: never).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, prefill_rows: int | None = None) -> None:
         super().__init__()
         w = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -55,6 +84,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._keep_float(linear, prefill_rows)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``[out, in]`` float32 (for checks)."""
@@ -63,22 +93,26 @@ class Int8WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``, in ``x``'s dtype."""
         flat = _flatten(x, self.in_features)
-        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(flat.dtype))
+        if self._float_rows(flat):
+            y = self._float_forward(flat)
+        else:
+            y = torch._weight_int8pack_mm(flat, self.qweight, self.scales.to(flat.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(_WeightOnlyLinear):
     """``y = x W^T + b`` with ``W`` stored as int4: per group of ``group_size`` inputs of one output
     channel, ``W = (q - 8) * scale + zero`` with ``q`` in 0..15 (the CPU kernel's convention).
 
     Args:
         linear: the layer to replace; ``in_features`` must be a multiple of ``group_size``.
         group_size: inputs per scale/zero pair.
+        prefill_rows: blocks of at least this many rows run on a float copy of the weight (None: never).
     """
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP) -> None:
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP, prefill_rows: int | None = None) -> None:
         super().__init__()
         n, k = linear.out_features, linear.in_features
         if k % group_size:
@@ -100,6 +134,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_and_zeros",
                              torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._keep_float(linear, prefill_rows)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``[out, in]`` float32 (for checks): the kernel applied
@@ -111,10 +146,13 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``, in ``x``'s dtype."""
         flat = _flatten(x, self.in_features)
-        sz = self.scales_and_zeros if self.scales_and_zeros.dtype == flat.dtype else self.scales_and_zeros.to(flat.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
-        if self.padded != self.out_features:
-            y = y[:, : self.out_features]
+        if self._float_rows(flat):
+            y = self._float_forward(flat)
+        else:
+            sz = self.scales_and_zeros if self.scales_and_zeros.dtype == flat.dtype else self.scales_and_zeros.to(flat.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
+            if self.padded != self.out_features:
+                y = y[:, : self.out_features]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -136,7 +174,8 @@ def _int4_group(in_features: int, group_size: int | None) -> int | None:
     return next((g for g in INT4_GROUPS if in_features % g == 0), None)
 
 
-def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = None) -> dict:
+def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = None,
+                     prefill_rows: int | None = None) -> dict:
     """Replace ``model``'s ``nn.Linear`` layers (output head included) by weight-only ``scheme`` layers, in place.
 
     int4 groups are ``group_size`` inputs, or by default the largest of :data:`INT4_GROUPS` dividing
@@ -147,10 +186,13 @@ def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = 
         model: a causal LM (or any module) on CPU.
         scheme: "int8" or "int4".
         group_size: int4 inputs per scale/zero pair (None: chosen per layer, see above).
+        prefill_rows: blocks of at least this many rows (a prefill) run on a float copy of each weight,
+            kept beside the packed one (None: no copy, every block through the packed kernel).
 
     Returns:
-        ``{"scheme", "group_sizes" (int4), "layers", "kept", "bytes_before", "bytes_after"}``, the
-        linear weights' bytes before and after (what a decode step streams, embeddings aside).
+        ``{"scheme", "group_sizes" (int4), "layers", "kept", "bytes_before", "bytes_after",
+        "prefill_rows", "prefill_copy_bytes"}``: the linear weights' bytes before and after (what a
+        decode step streams, embeddings aside) and the float copies' bytes.
     """
     scheme = check_scheme(scheme)
     if scheme is None:
@@ -159,7 +201,8 @@ def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = 
     if param is not None and param.device.type != "cpu":
         raise UserError(f"weight-only {scheme} drafts run on CPU (PyTorch's CPU kernels); the draft is on "
                         f"{param.device.type}: load it on CPU or leave it unquantized")
-    record = {"scheme": scheme, "layers": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
+    record = {"scheme": scheme, "layers": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0,
+              "prefill_rows": prefill_rows, "prefill_copy_bytes": 0}
     groups: set[int] = set()
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
@@ -172,13 +215,16 @@ def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = 
             continue
         if group is not None:
             groups.add(group)
-        new = Int8WeightOnlyLinear(mod) if scheme == "int8" else Int4WeightOnlyLinear(mod, group)
+        new = (Int8WeightOnlyLinear(mod, prefill_rows) if scheme == "int8"
+               else Int4WeightOnlyLinear(mod, group, prefill_rows))
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
         record["layers"] += 1
         record["bytes_before"] += before
-        record["bytes_after"] += sum(b.numel() * b.element_size() for b in new.buffers())
+        sizes = {n: b.numel() * b.element_size() for n, b in new.named_buffers()}
+        record["prefill_copy_bytes"] += sizes.pop("float_weight", 0)
+        record["bytes_after"] += sum(sizes.values())
     if scheme == "int4":
         record["group_sizes"] = sorted(groups)
     if hasattr(model, "config"):

@@ -20,10 +20,14 @@ class PairSettings:
     once and cached)."""
     device: str | None = None
     """cpu | cuda | cuda:N; null = cuda when available."""
+    draft_quant: str | None = None
+    """int8 | int4: the draft's linear layers (output head included) in weight-only int8/int4, PyTorch's
+    CPU kernels (specstop.pair.quantize); recorded in the pair's identity. null = the draft as loaded."""
 
     def pair_kwargs(self) -> dict:
         """The keyword arguments of :func:`specstop.pair.load_named_pair` these settings choose."""
-        return {"draft": self.draft, "target": self.target, "dtype": self.dtype, "device": self.device}
+        return {"draft": self.draft, "target": self.target, "dtype": self.dtype, "device": self.device,
+                "draft_quant": self.draft_quant}
 
 
 __all__ = ["PairSettings"]

@@ -52,7 +52,8 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     log.info("%s", size.line())
     prompts, max_new = prompts[: size.prompts], size.max_new_tokens
     prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
-    pair = load_named_pair(cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device)
+    pair = load_named_pair(cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device,
+                           draft_quant=cfg.draft_quant)
     # Decode as the dataset describes: greedy, or sampled at its temperature / top-k / top-p (then the
     # outputs are samples, so the token-for-token check against the target does not apply).
     decoding = DecodingConfig(temperature=float(gen.get("temperature") or 0.0), top_k=int(gen.get("top_k") or 0),

@@ -52,6 +52,8 @@ def _write_generate_config(cfg: PipelineConfig, data: dict, out: Path, path: Pat
     conf.setdefault("dtype", cfg.dtype)
     if cfg.device:
         conf.setdefault("device", cfg.device)
+    if cfg.draft_quant:
+        conf.setdefault("draft_quant", cfg.draft_quant)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(conf, sort_keys=False))
 
@@ -103,7 +105,7 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         _write_generate_config(cfg, data_cfg, out, conf_path)
         runner.run(
             name,
-            {"data": data_cfg, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype},
+            {"data": data_cfg, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype, **_quant(cfg)},
             ["fetch"],
             lambda: (_cli(["generate", "--config", str(conf_path)]) or {"data_dir": str(out)}),
             outputs_exist=lambda o: (Path(o.get("data_dir", "")) / "manifest.json").is_file(),
@@ -148,7 +150,7 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         runner.run(
             "calibrate",
             {"pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype, "device": cfg.device,
-             "budget": cfg.calibrate_budget, **({"options": options} if options else {})},
+             "budget": cfg.calibrate_budget, **({"options": options} if options else {}), **_quant(cfg)},
             ["fetch", "data", "test_data"],
             lambda: (_cli(calibrate_argv(cfg, cost_path, eval_data)) or {"cost": str(cost_path)}),
             # A table that failed its check is measured again on a rerun (unless it is to be used anyway).
@@ -208,7 +210,7 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         runner.run(
             "online",
             {"n": cfg.online_prompts, "repeats": cfg.online_repeats, "max_new_tokens": cfg.online_max_new_tokens,
-             "dtype": cfg.dtype, "hf_default": cfg.online_hf_default, "budget": cfg.online_budget},
+             "dtype": cfg.dtype, "hf_default": cfg.online_hf_default, "budget": cfg.online_budget, **_quant(cfg)},
             ["export", "eval", "calibrate"],
             lambda: online_check(cfg, eval_data, export_dir, tuned, eval_dir / "report.json", cost_arg, online_path),
             outputs_exist=lambda o: Path(o.get("online", "")).is_file(),
@@ -223,7 +225,13 @@ def calibrate_argv(cfg: PipelineConfig, cost_path: Path, eval_data: Path) -> lis
     for ``calibrate_budget`` seconds, with the ``calibrate:`` section's settings."""
     return ["calibrate-cost", *_pair_args(cfg), "--dtype", cfg.dtype, "--out", str(cost_path),
             "--data", str(eval_data), "--budget", str(cfg.calibrate_budget),
-            *(["--device", cfg.device] if cfg.device else []), *cfg.stage_args("calibrate")]
+            *(["--device", cfg.device] if cfg.device else []),
+            *(["--draft-quant", cfg.draft_quant] if cfg.draft_quant else []), *cfg.stage_args("calibrate")]
+
+
+def _quant(cfg: PipelineConfig) -> dict:
+    """A stage's record of the draft's quantization: only when set, so runs made before it existed resume."""
+    return {"draft_quant": cfg.draft_quant} if cfg.draft_quant else {}
 
 
 def _cost_passes(path: str) -> bool:
