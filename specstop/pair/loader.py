@@ -269,12 +269,11 @@ def load_pair(
         TokenizerMismatchError: the tokenizers differ (names the first differing token).
     """
     from specstop.pair.preflight import check_dtype_name, check_pair_fits, loading_errors
-
-    # Fail in a second, with the fix, rather than deep inside transformers: the device, the
-    # folders (or hub ids), the dtype name and whether both models fit in memory.
     from specstop.pair.quantize import check_scheme
     from specstop.pair.sources import check_device, locate_model, weights_folder
 
+    # Fail in a second, with the fix, rather than deep inside transformers: the device, the
+    # folders (or hub ids), the dtype name, the quantization and whether both models fit in memory.
     check_device(device)
     check_dtype_name(dtype)
     draft_quant = check_scheme(draft_quant)
