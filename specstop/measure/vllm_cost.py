@@ -7,8 +7,8 @@ one ``vllm.LLM`` with specstop's proposer in its cost sweep (:data:`~specstop.de
 greedy decoding of the prompts B at a time for each B of the batch grid, and the proposer's
 ``engine_costs()``. Then vLLM's own draft-model runner (``speculative_config={"model": DRAFT,
 "num_speculative_tokens": K}``), which runs a fixed K, and vLLM without speculation are timed per
-decode step at batch size 1 (:func:`time_runner`), so the options vLLM runs itself are priced with
-their own costs. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns both into the cost
+decode step at each batch size (:func:`time_runner`, float drafts only), so the options vLLM runs
+itself (a fixed K, the batch schedule) are priced with their own costs. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns both into the cost
 model written to ``--out``.
 
 The engine settings are the serving benchmark's (``benchmarks/vllm_serving.py``): the single-process
