@@ -14,30 +14,17 @@ tokens) for that pass.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
 import traceback
 
 from specstop.decode.vllm_proposer import spec_counters
+from specstop.measure.vllm_cost import shutdown_engine
 
 
 def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
-
-
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the next engine start reports real problems
-        pass
-    del llm
-    gc.collect()
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    destroy_model_parallel()
-    destroy_distributed_environment()
 
 
 def parse_serve_command(command: str) -> dict:
@@ -92,7 +79,7 @@ def run(job: dict) -> dict:
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
         res["generate_s"] = time.perf_counter() - t0
-        _shutdown(llm)
+        shutdown_engine(llm)
     return results
 
 

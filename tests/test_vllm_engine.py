@@ -189,22 +189,28 @@ def test_proposer_with_a_quantized_draft_and_a_batch_cap_is_lossless(exported, t
     assert batched["drafts"] == 0  # the 4 requests run and finish together: never 1 left alone
 
 
-def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path, monkeypatch):
-    """`specstop calibrate-cost --engine vllm`: the proposer's cost sweep inside vLLM gives a measured cost model
-    (every K of the grid, batch sizes 1 and 2) that says it is vLLM's, and an engine file priced with it says so."""
+def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):
+    """`specstop calibrate-cost --engine vllm` on the tiny pair in float32 at batch sizes 1 and 2 (and ``flags``),
+    with vLLM's venv and environment; the cost model it wrote."""
     from specstop.eval.cost import load_cost_model
-    from specstop.export.engines import priced_by
 
-    pair_dir, _ = exported
     for key, value in _vllm_env().items():
         if key.startswith("VLLM_") or key == "HF_HUB_OFFLINE":
             monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECSTOP_VLLM_VENV", str(VLLM_VENV))
     out = tmp_path / "vllm_cost.json"
     assert main(["calibrate-cost", "--engine", "vllm", "--draft", str(pair_dir / "draft"), "--target",
-                 str(pair_dir / "target"), "--dtype", "float32", "--k-grid", "1,2,4", "--batch-grid", "2",
-                 "--budget", "48", "--draft-quant", "int4", "--out", str(out)]) == 0
-    cost = load_cost_model(out)
+                 str(pair_dir / "target"), "--dtype", "float32", "--batch-grid", "2", "--budget", "48",
+                 *flags, "--out", str(out)]) == 0
+    return load_cost_model(out)
+
+
+def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path, monkeypatch):
+    """`specstop calibrate-cost --engine vllm`: the proposer's cost sweep inside vLLM gives a measured cost model
+    (every K of the grid, batch sizes 1 and 2) that says it is vLLM's, and an engine file priced with it says so."""
+    from specstop.export.engines import priced_by
+
+    cost = _calibrate_in_vllm(exported[0], tmp_path, monkeypatch, "--k-grid", "1,2,4", "--draft-quant", "int4")
     assert cost.provenance == "measured" and cost.machine["engine"].startswith("vllm 0.")
     assert cost.machine["draft_quant"] == "int4" and cost.machine["dtype"] == "float32"
     assert set(cost.target_by_k) == {0, 1, 2, 4} and cost.t_draft > 0
@@ -216,17 +222,6 @@ def test_calibrate_cost_times_vllms_own_draft_model_runner(exported, tmp_path, m
     """With a float draft, calibrate-cost --engine vllm also times vLLM's own draft-model runner per decode step
     at K = 0 (no speculation) and each K of the grid, at each batch size (tests/test_engine_cost.py prices
     exports with it)."""
-    from specstop.eval.cost import load_cost_model
-
-    pair_dir, _ = exported
-    for key, value in _vllm_env().items():
-        if key.startswith("VLLM_") or key == "HF_HUB_OFFLINE":
-            monkeypatch.setenv(key, value)
-    monkeypatch.setenv("SPECSTOP_VLLM_VENV", str(VLLM_VENV))
-    out = tmp_path / "vllm_cost.json"
-    assert main(["calibrate-cost", "--engine", "vllm", "--draft", str(pair_dir / "draft"), "--target",
-                 str(pair_dir / "target"), "--dtype", "float32", "--k-grid", "1,2", "--batch-grid", "2",
-                 "--budget", "48", "--out", str(out)]) == 0
-    runner = load_cost_model(out).fit["vllm_runner"]["step_s"]
+    runner = _calibrate_in_vllm(exported[0], tmp_path, monkeypatch, "--k-grid", "1,2").fit["vllm_runner"]["step_s"]
     assert set(runner) == {"1", "2"} and all(set(by_k) == {"0", "1", "2"} for by_k in runner.values())
     assert all(v["step_s"] > 0 and v["requests"] >= 1 for by_k in runner.values() for v in by_k.values())

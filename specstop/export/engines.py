@@ -179,8 +179,10 @@ def _price_vllm_runner(options: dict, tuned: dict, draft: str, target: str) -> N
     replayed is repriced with the runner's own decode steps at batch size 1, static_opt runs the K that
     is best there, and ``predicted_by_k`` lists the price of each K."""
     opt = options.get("static_opt")
-    by_k = _runner_prices(tuned, 1) if opt is not None else {}
-    if not by_k or "custom_class" in json.dumps(opt.get("speculative_config")):
+    if opt is None or (opt.get("speculative_config") or {}).get("method") == "custom_class":
+        return  # none, or run through specstop's proposer (a quantized draft)
+    by_k = _runner_prices(tuned, 1)
+    if not by_k:
         return
     best, tuned_k = max(by_k, key=by_k.__getitem__), int(opt["policy"]["k"])
     conf = {"model": draft, "num_speculative_tokens": best}
