@@ -20,9 +20,16 @@ Methods (greedy):
                         e.g. tuned:confidence_opt), on the same workers and window as plain PEARL (no prediction)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
     ours[int4] <policy> --draft-quant int8,int4: each rule --policy again with the draft's weights in weight-only
-                        int8 / int4 (specstop.pair.quantize; the same target, in the same run), no prediction
-                        (the dataset's acceptance is the float draft's); learned exports are left out (their
-                        features are the float draft's)
+                        int8 / int4 (specstop.pair.quantize; the same target, in the same run), priced with
+                        --quant-cost int4=COST and replayed on --quant-data int4=DATA (that draft's own
+                        calibration and dataset; without them no prediction); learned exports are left out (their
+                        features are the float draft's; an export trained with the int4 draft runs on it instead)
+    ours[self-int4] <policy> --self-draft int4: each rule --policy again with the target quantized as its own
+                        draft (specstop.pair.loader.self_draft); --quant-cost / --quant-data self-int4=...
+    ours[int4 / self-int4] LO/HI --multi-level LO/HI (repeatable): multi-level speculation
+                        (specstop.decode.multilevel): the pair's draft in --multi-level-quant drafts for the
+                        target in that scheme under policy LO, which drafts for the target under policy HI;
+                        each level's tokens per round reported, no prediction
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
 end and decode-only), tokens per round, measured seconds per round beside the cost model's
@@ -62,6 +69,83 @@ def quantized_pairs(pair, schemes: str) -> list[tuple[str, object]]:
         print(f"draft in {scheme}: {record['bytes_before'] / 1e6:.0f} -> {record['bytes_after'] / 1e6:.0f} MB of linear "
               "weights")
         out.append((scheme, variant))
+    return out
+
+
+def self_drafts(pair, schemes: str) -> list[tuple[str, object]]:
+    """``("self-SCHEME", pair)`` per scheme of the comma list: the same target, a quantized copy of it as the draft."""
+    from specstop.pair.loader import self_draft
+    from specstop.pair.quantize import check_scheme
+
+    return [(f"self-{scheme}", self_draft(pair, scheme))
+            for scheme in filter(None, (check_scheme(s) for s in schemes.split(",") if s.strip()))]
+
+
+def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, selfs: list) -> tuple[list, dict]:
+    """One method per ``LO/HI`` of ``texts``: the pair's draft in ``scheme`` drafts (policy LO) for the target in
+    ``scheme``, which drafts (policy HI) for the target; reuses the run's quantized copies when it has them.
+    Returns the methods and ``{method name: [per-run level counters]}``, filled as they run."""
+    import dataclasses
+
+    from specstop.decode.multilevel import MultiLevelDecoder
+    from specstop.errors import UserError
+    from specstop.measure import online
+    from specstop.pair.quantize import check_scheme
+
+    scheme = check_scheme(scheme)
+    if scheme is None:
+        raise SystemExit("--multi-level needs a --multi-level-quant scheme (int8 or int4)")
+    bottom = dict(quantized).get(scheme) or quantized_pairs(pair, scheme)[0][1]
+    middle = dict(selfs).get(f"self-{scheme}") or self_drafts(pair, scheme)[0][1]
+    methods, levels = [], {}
+    for text in texts:
+        parts = text.split("/")
+        if len(parts) != 2:
+            raise SystemExit(f"--multi-level {text}: give two policies, LO/HI (the draft's for the quantized target, "
+                             "then the quantized target's for the target), e.g. static:3/confidence:0.6")
+        try:
+            dec = MultiLevelDecoder(bottom, [middle.draft], parts)
+        except UserError as err:
+            raise SystemExit(f"--multi-level {text}: {err}") from None
+        name = f"ours[{scheme} / self-{scheme}] {text}"
+        fn, runs = online.decoder_method(name, dec).fn, levels.setdefault(name, [])
+
+        def run(ids, n, fn=fn, dec=dec, runs=runs):
+            out = fn(ids, n)
+            runs.append(dec.last_levels)
+            return dataclasses.replace(out, k_hist=None)  # a chain's K histogram would price it as one
+
+        methods.append(online.Method(name, run))
+    return methods, levels
+
+
+def level_summary(runs: list[list[dict]]) -> str:
+    """Per level (bottom up, the target last): tokens per round and seconds per forward over all runs."""
+    parts = []
+    for i, name in enumerate(r["name"] for r in runs[0]):
+        rounds = sum(r[i]["rounds"] for r in runs)
+        fwd = sum(r[i]["forwards"] for r in runs)
+        secs = sum(r[i]["seconds"] for r in runs)
+        if i == 0:
+            parts.append(f"{name}: {fwd} forwards, {secs / max(fwd, 1):.4f} s each")
+        else:
+            per = (sum(r[i]["accepted"] for r in runs) + rounds) / max(rounds, 1)
+            parts.append(f"{name}: {per:.2f} tokens/round, {secs / max(fwd, 1):.4f} s per forward")
+    return "; ".join(parts)
+
+
+def named_paths(values: list[str], flag: str, variants: list[tuple[str, object]]) -> dict[str, str]:
+    """``{NAME: PATH}`` of ``NAME=PATH`` flag values; NAME must be one of the run's quantized drafts."""
+    have = [name for name, _ in variants]
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise SystemExit(f"{flag} {value}: give NAME=PATH, e.g. {flag} int4=runs/quantized_int4/...")
+        if name not in have:
+            raise SystemExit(f"{flag} {value}: {name!r} is not a draft of this run (have: {', '.join(have) or 'none'}; "
+                             "add it with --draft-quant or --self-draft)")
+        out[name] = path
     return out
 
 
@@ -122,6 +206,20 @@ def load_policy(text: str, pair, tuned: dict | None):
     return (f"export {pol.label}" if Path(text).is_dir() else text), pol
 
 
+def policy_pair(text: str, pair, quantized: list[tuple[str, object]]) -> tuple[str | None, object]:
+    """``(scheme, pair)`` a --policy runs on: an export trained with a quantized draft runs on the run's copy
+    of the pair with that draft (--draft-quant must include its scheme); everything else on ``pair``."""
+    from specstop.export.reading import export_draft_quant
+
+    scheme = export_draft_quant(text) if Path(text).is_dir() and (Path(text) / "config.json").is_file() else None
+    if scheme is None:
+        return None, pair
+    variants = dict(quantized)
+    if scheme not in variants:
+        raise SystemExit(f"--policy {text} was trained with the {scheme} draft: add --draft-quant {scheme} to run it")
+    return scheme, variants[scheme]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
@@ -158,6 +256,19 @@ def main(argv=None) -> int:
                     help="a tree_node_mlp checkpoint: every dynamic tree policy (tree:N) also runs grown by it")
     ap.add_argument("--draft-quant", default="", metavar="SCHEMES",
                     help="comma list of int8,int4: every rule --policy also with the draft quantized so")
+    ap.add_argument("--quant-cost", action="append", default=[], metavar="NAME=COST",
+                    help="the cost model of a quantized draft (NAME: int8, int4, self-int4; calibrate-cost with that "
+                    "--draft-quant): its methods' rounds are priced with it (without it they are not priced)")
+    ap.add_argument("--quant-data", action="append", default=[], metavar="NAME=DATA",
+                    help="a dataset generated with that draft (same prompts as --data): with --quant-cost, the replay "
+                    "of the same prompts is its methods' prediction")
+    ap.add_argument("--self-draft", default="", metavar="SCHEMES",
+                    help="comma list of int8,int4: every rule --policy also with the target quantized so as its draft")
+    ap.add_argument("--multi-level", action="append", default=None, metavar="LO/HI",
+                    help="multi-level speculation: the draft (policy LO) for the quantized target (policy HI) for "
+                    "the target, e.g. static:3/confidence:0.6 (repeatable)")
+    ap.add_argument("--multi-level-quant", default="int4", metavar="SCHEME",
+                    help="the scheme of both lower levels of --multi-level (default int4)")
     ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
@@ -172,6 +283,7 @@ def main(argv=None) -> int:
     from specstop.decode.pearl_spec import PearlSpec
     from specstop.decode.pearl_workers import PearlWorkers
     from specstop.errors import UserError
+    from specstop.eval.cost import load_cost_model
     from specstop.eval.same_prompts import applies, replay_policies
     from specstop.export.runtime import StoppingPolicy
     from specstop.measure import online
@@ -186,22 +298,33 @@ def main(argv=None) -> int:
     else:
         prompts, max_new = text_prompts(args, pair.tokenizer), 64
     max_new = args.max_new_tokens or max_new
-    cost = None
-    if args.cost:
-        from specstop.eval.cost import load_cost_model
-
-        cost = load_cost_model(args.cost)
+    cost = load_cost_model(args.cost) if args.cost else None
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned else None
     replay_rows = json.loads(Path(args.replay_report).read_text()).get("rows") or {} if args.replay_report else {}
     kw = {"static_cache": args.static_cache, "compile": args.compile}
     quantized = quantized_pairs(pair, args.draft_quant)
+    selfs = self_drafts(pair, args.self_draft)
+    variant_cost = {n: load_cost_model(p)
+                    for n, p in named_paths(args.quant_cost, "--quant-cost", [*quantized, *selfs]).items()}
+    variant_data = named_paths(args.quant_data, "--quant-data", [*quantized, *selfs])
+
+    def variant_method(label: str, scheme: str, qpair, pol):
+        """A chain on a quantized draft's pair, priced (and replayed) with that draft's own files when given."""
+        vcost = variant_cost.get(scheme)
+        replay = None
+        vdata = variant_data.get(scheme)
+        if vdata and vcost is not None and names is not None and applies(read_manifest(vdata)["generation"], max_new):
+            replay = replay_policies(vdata, args.split, names, max_new, {label: pol}, vcost)[label]
+        return online.decoder_method(label, SpeculativeDecoder(qpair, pol, DecodingConfig(), **kw), spec=pol.spec,
+                                     cost=vcost, priced=vcost is not None, same_prompts=replay)
 
     base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), DecodingConfig(), **kw)
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
     if args.hf_target:
         methods.append(online.hf_target_method("target (HF generate)", pair))
-    loaded = [(text, *load_policy(text, pair, tuned)) for text in args.policy or ["static:4"]]
-    chains = [(text, name, pol) for text, name, pol in loaded if isinstance(pol, StoppingPolicy)]
+    on = {text: policy_pair(text, pair, quantized) for text in args.policy or ["static:4"]}
+    loaded = [(text, *load_policy(text, on[text][1], tuned)) for text in on]
+    chains = [(text, name, pol) for text, name, pol in loaded if isinstance(pol, StoppingPolicy) and not on[text][0]]
     same = {}
     if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
         # The replay of exactly these prompts at this budget: the like-for-like prediction.
@@ -262,6 +385,10 @@ def main(argv=None) -> int:
                 methods.append(online.tree_method(f"ours {name}+node-head",
                                                   TreeDecoder(pair, pol, DecodingConfig(), node_head=head), cost=cost))
             continue
+        scheme, own = on[text]
+        if scheme is not None:  # an export of a quantized draft: its own copy of the pair (no float replay applies)
+            methods.append(variant_method(f"ours[{scheme}] {name}", scheme, own, pol))
+            continue
         replay = None
         if replay_rows:
             from specstop.eval.report import row_key_for_policy
@@ -273,15 +400,17 @@ def main(argv=None) -> int:
         dec = SpeculativeDecoder(pair, pol, DecodingConfig(), **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
-        for scheme, qpair in quantized:
+        for scheme, qpair in [*quantized, *selfs]:
             if pol.spec.kind == "predictor":
                 print(f"ours[{scheme}] {name}: left out (a learned policy reads the float draft's features)")
                 continue
-            qpol = StoppingPolicy.from_spec(pol.spec)
-            methods.append(online.decoder_method(f"ours[{scheme}] {name}",
-                                                 SpeculativeDecoder(qpair, qpol, DecodingConfig(), **kw), spec=pol.spec))
+            methods.append(variant_method(f"ours[{scheme}] {name}", scheme, qpair, StoppingPolicy.from_spec(pol.spec)))
         if args.hf_policies:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
+    levels = {}
+    if args.multi_level:
+        stacked, levels = multi_level_methods(pair, args.multi_level, args.multi_level_quant, quantized, selfs)
+        methods.extend(stacked)
     if args.hf_default:
         methods.append(online.hf_assisted_method("hf-default", pair))
     if args.hf_stock:
@@ -313,9 +442,11 @@ def main(argv=None) -> int:
         if r.get("phases_per_round"):
             ph = ", ".join(f"{k} {v:.4f}" for k, v in r["phases_per_round"].items())
             print(f"  {name}: per round (s): {ph}; drafted/round {r['drafted_per_round']:.2f}")
+    for name, runs in levels.items():
+        print(f"  {name}: {level_summary(runs)}")
     if args.out:
         doc = {"args": vars(args), "pair": pair.to_dict(), "cost": cost.to_dict() if cost else None,
-               "summary": summary,
+               "summary": summary, "levels": levels,
                "runs": {m: [[r.__dict__ for r in rs] for rs in runs] for m, runs in meas.runs.items()}}
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
     return 0

@@ -34,6 +34,7 @@ _PUBLIC = {
     "PearlDecoder": "specstop.decode.pearl",
     "BatchedSpeculativeDecoder": "specstop.decode.batched",
     "BatchDecodeResult": "specstop.decode.batched",
+    "MultiLevelDecoder": "specstop.decode.multilevel",
     "parse_pearl_policy": "specstop.decode.pearl_spec",
     # Hugging Face generate()
     "generate_with_policy": "specstop.decode.hf_assist",

@@ -26,7 +26,8 @@ SMOKE = {
     "dataset_stats.py": "{data}",
     "float32_gemm.py": "--reps 1 --rows 1",
     "online_speedup.py": "--pair {pair} --prompt hello --policy static:2 --policy mcsd:2,1 --limit 1 --repeats 1 "
-                         "--max-new-tokens 4 --dtype float32 --device cpu --draft-quant int8 --out {out}",
+                         "--max-new-tokens 4 --dtype float32 --device cpu --draft-quant int8 --self-draft int8 "
+                         "--multi-level static:1/static:2 --multi-level-quant int8 --out {out}",
     "replay_speed.py": "--tokens 2000 --tokens-per-prompt 100",
     "stopping_headroom.py": "--data {data} --split test --out {tmp}/headroom",
     "theorem1_check.py": "--pair {pair} --limit 1 --seeds 1 --max-new-tokens 4 --dtype float32 --out {out}",
@@ -252,3 +253,46 @@ def test_vllm_serving_runs_exported_settings(tmp_path, monkeypatch):
     rows = _serving_rows(record)
     assert rows["draft_k3", 1]["draft_len"] == rows["schedule", 1]["draft_len"] == 3  # schedule: K 3 below B = 4
     assert 1 <= rows["specstop_confidence", 1]["draft_len"] <= 6 and 1 <= rows["specstop_learned", 1]["draft_len"] <= 6
+
+
+def test_online_speedup_runs_a_quantized_drafts_export_on_that_draft_and_multi_level(tiny_pair_dir, tmp_path,
+                                                                                     monkeypatch):
+    """An export trained with the int8 draft runs on the run's int8 copy of the pair (and is refused without
+    --draft-quant int8); --multi-level runs the stack and records each level's counters per run."""
+    import runpy
+    import shutil
+
+    from _usage_fixtures import usage_fixtures
+
+    monkeypatch.chdir(tmp_path)
+    fx = usage_fixtures(tmp_path / "fx", tiny_pair_dir)
+    export = tmp_path / "export_int8"
+    shutil.copytree(fx.export, export)
+    config = json.loads((export / "config.json").read_text())
+    config["pair"]["draft"]["quant"] = "int8"  # as `specstop export` writes it for data made with --draft-quant int8
+    (export / "config.json").write_text(json.dumps(config))
+    base = ["--pair", str(tiny_pair_dir), "--prompt", "hello", "--limit", "1", "--repeats", "1", "--max-new-tokens", "4",
+            "--dtype", "float32", "--device", "cpu", "--policy", str(export)]
+    policy_pair = runpy.run_path(str(BENCH / "online_speedup.py"))["policy_pair"]
+    with pytest.raises(SystemExit, match="trained with the int8 draft: add --draft-quant int8 to run it"):
+        policy_pair(str(export), "the float pair", [])
+    assert policy_pair("static:2", "the float pair", []) == (None, "the float pair")
+    with pytest.raises(SystemExit, match="'int4' is not a draft of this run .have: int8; add it with --draft-quant"):
+        runpy.run_path(str(BENCH / "online_speedup.py"))["named_paths"](["int4=x.json"], "--quant-cost", [("int8", 0)])
+    out = tmp_path / "out.json"
+    old_threads = torch.get_num_threads()
+    try:
+        assert run_script(BENCH / "online_speedup.py", [*base, "--draft-quant", "int8", "--multi-level",
+                                                        "static:2/confidence:0.5", "--multi-level-quant", "int8",
+                                                        "--quant-cost", f"int8={fx.cost}", "--cost", str(fx.cost),
+                                                        "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    record = json.loads(out.read_text())
+    rows = record["summary"]["rows"]
+    (quantized,) = [row for name, row in rows.items() if name.startswith("ours[int8] export")]
+    assert quantized["predicted_decode_speedup"] > 0  # priced by --quant-cost, the int8 draft's own cost model
+    assert not any(name.startswith("ours export") for name in rows)  # never on the float draft it was not made for
+    (name, runs), = record["levels"].items()
+    assert name == "ours[int8 / self-int8] static:2/confidence:0.5" and name in rows
+    assert [lv["name"] for lv in runs[0]] == ["level0", "level1", "target"] and runs[0][2]["rounds"] > 0

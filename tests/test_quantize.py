@@ -218,3 +218,33 @@ def test_blocks_of_many_rows_run_on_the_float_copy(scheme):
     record = quantize_weights(model, scheme, prefill_rows=16)
     assert record["bytes_after"] == plain["bytes_after"] and record["prefill_rows"] == 16 and record["kept"] == 0
     assert record["prefill_copy_bytes"] == (64 * 128 + 16 * 64) * 2 and plain["prefill_copy_bytes"] == 0
+
+
+def test_data_generation_scores_response_rows_with_the_packed_kernels(tiny_pair_dir):
+    """A draft loaded for data generation (``draft_prefill_copy=False``) runs every row of a teacher-forced
+    block on the packed kernels, so its labels are what its one-token decode steps compute; the decoder's
+    load (a float copy for blocks of PREFILL_ROWS rows and more) would score the block with the float weights."""
+    from transformers import DynamicCache
+
+    from specstop.pair.loader import load_pair
+    from specstop.pair.quantize import PREFILL_ROWS
+
+    d, t = str(tiny_pair_dir / "draft"), str(tiny_pair_dir / "target")
+    seq = [5, 9, 13, 2, 40, *range(60, 80)]
+    assert len(seq) >= PREFILL_ROWS["int8"]
+
+    def steps(model):  # one token per forward: the packed kernels whatever the load
+        cache, rows = DynamicCache(config=model.config), []
+        with torch.no_grad():
+            for tok in seq:
+                rows.append(model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1])
+        return torch.stack(rows)
+
+    for float_copy, close in ((False, True), (True, False)):
+        pair = load_pair(d, t, dtype="float32", device="cpu", draft_quant="int8", draft_prefill_copy=float_copy)
+        layers = [m for m in pair.draft.modules() if hasattr(m, "prefill_rows") and m is not pair.draft]
+        assert layers and all((m.prefill_rows is None) != float_copy for m in layers)
+        with torch.no_grad():
+            block = pair.draft(input_ids=torch.tensor([seq])).logits[0]
+        diff = float((block - steps(pair.draft)).abs().max())
+        assert (diff < 1e-4) == close, (float_copy, diff)

@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
         pair = load_named_pair(
             cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=rank_local_device(cfg.device),
             target_device_map=cfg.target_device_map, dtype_workload="generate", draft_quant=cfg.draft_quant,
+            draft_prefill_copy=False,  # labels score response rows in one block: the packed kernels' numerics
         )
         from specstop.memory import PeakRSS
 

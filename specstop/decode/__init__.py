@@ -16,9 +16,13 @@ PEARL (draft and target in parallel): ``pearl_spec`` <- ``pearl_server`` <- ``pe
 <- ``pearl_timing``.
 
 Batched chain decoding (B prompts at once, acceptance per sequence): ``batched``.
+
+Multi-level speculation (a draft for a middle model for the target, each level verifying the one below
+with the chain's rules): ``multilevel``, on ``chain``'s pieces.
 """
 
 from specstop.decode.batched import BatchDecodeResult, BatchedSpeculativeDecoder
+from specstop.decode.multilevel import MultiLevelDecoder
 from specstop.decode.pearl import PearlDecoder
 from specstop.decode.pearl_spec import PearlSpec, parse_pearl_policy
 from specstop.decode.pearl_workers import PearlWorkers, WorkerError
@@ -29,6 +33,7 @@ __all__ = [
     "BatchDecodeResult",
     "BatchedSpeculativeDecoder",
     "DynamicTreeShape",
+    "MultiLevelDecoder",
     "PearlDecoder",
     "PearlSpec",
     "PearlWorkers",

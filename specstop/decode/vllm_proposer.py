@@ -51,6 +51,7 @@ from specstop.errors import UserError
 from specstop.export.engines import VLLM_PROPOSER_CLASS as PROPOSER_CLASS
 from specstop.export.engines import VLLM_SETTINGS_KEY as SETTINGS_KEY
 from specstop.export.engines import vllm_proposer_config
+from specstop.export.reading import export_draft_quant
 from specstop.export.runtime import StoppingPolicy
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
@@ -86,15 +87,6 @@ def live_proposers() -> list:
     """The :class:`SpecstopProposer` objects alive in this process, oldest first (vLLM's single-process
     engine builds them in the caller's process; benchmarks read their :meth:`~SpecstopProposer.engine_costs`)."""
     return sorted(_LIVE, key=lambda p: p.created)
-
-
-def _export_draft_quant(folder: str) -> str | None:
-    """The weight-only scheme of the draft a learned export was trained with (its ``pair.draft.quant``;
-    None: the float draft, or an export from before the field)."""
-    from specstop.export.reading import read_export_config
-
-    config = read_export_config(Path(folder) / "config.json")
-    return ((config.get("pair") or {}).get("draft") or {}).get("quant") or None
 
 
 def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[int]:
@@ -201,7 +193,7 @@ class SpecstopProposer:
                 raise UserError(f"{PROPOSER_CLASS}: a learned policy is given as its export folder, not as its spec")
             return StoppingPolicy.from_spec(spec)
         if isinstance(policy, str) and Path(policy).is_dir():
-            trained_on = _export_draft_quant(policy)
+            trained_on = export_draft_quant(policy)
             if (trained_on or None) != self.draft_quant and not allow_mismatch:
                 raise UserError(f"{PROPOSER_CLASS}: the learned policy {policy} was trained on the features of "
                                 f"the {trained_on or 'float'} draft, and this proposer runs the "

@@ -101,6 +101,13 @@ def read_export_config(cfg_path: Path) -> dict:
     return config
 
 
+def export_draft_quant(folder: str | Path) -> str | None:
+    """The weight-only scheme of the draft a learned export was trained with (its ``pair.draft.quant``;
+    None: the float draft, or an export from before the field)."""
+    config = read_export_config(Path(folder) / "config.json")
+    return ((config.get("pair") or {}).get("draft") or {}).get("quant") or None
+
+
 # Every key an export's config.json may hold (export.py's schema); anything else is an edit or a
 # newer writer, and a reader that ignored it could run with settings the file does not mean.
 CONFIG_KEYS = frozenset({

@@ -85,7 +85,9 @@ class Run:
 @dataclass
 class Method:
     """A way to decode: ``fn(prompt_ids, max_new_tokens) -> Run``; ``spec`` (a PolicySpec) prices its
-    decision cost in predictions; ``kind`` is "baseline", "ours" or "hf"."""
+    decision cost in predictions; ``kind`` is "baseline", "ours" or "hf". ``cost``: this method's own cost
+    model (another draft's, e.g. a quantized one) instead of the run's; ``priced``: False where no cost
+    model describes the method (its rounds are then not priced)."""
 
     name: str
     fn: Callable[[list[int], int], Run]
@@ -93,6 +95,8 @@ class Method:
     spec: Any = None
     replay_speedup: float | None = None
     same_prompts: Any = None  # a specstop.eval.same_prompts.SamePromptsReplay for these prompts and budget
+    cost: Any = None
+    priced: bool = True
 
 
 @dataclass
@@ -107,8 +111,10 @@ class Measurement:
 
 
 def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = None, seed: int = 0,
-                   replay_speedup: float | None = None, same_prompts=None, kind: str = "ours") -> Method:
-    """A :class:`Method` running our :class:`~specstop.decode.chain.SpeculativeDecoder`."""
+                   replay_speedup: float | None = None, same_prompts=None, kind: str = "ours", cost=None,
+                   priced: bool = True) -> Method:
+    """A :class:`Method` running our :class:`~specstop.decode.chain.SpeculativeDecoder` (``cost``, ``priced``:
+    see :class:`Method`)."""
 
     def fn(ids: list[int], max_new: int) -> Run:
         res = decoder.generate(ids, max_new, seed=seed, max_draft=max_draft)
@@ -120,7 +126,7 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
             round_seconds=float(sum(t["round_seconds"])),
         )
 
-    return Method(name, fn, kind, spec, replay_speedup, same_prompts)
+    return Method(name, fn, kind, spec, replay_speedup, same_prompts, cost, priced)
 
 
 def tree_round_seconds(cost, round_nodes: list[int], draft_forwards: int,
@@ -341,8 +347,9 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
                     for k, v in (r.phases or {}).items():
                         ph[k] = ph.get(k, 0.0) + v
             row["phases_per_round"] = {k: v / max(n_round, 1) for k, v in ph.items() if k not in ("total", "prefill")}
-            if cost is not None:
-                c = cost.for_policy(m.spec) if m.spec is not None else cost
+            own = m.cost if m.cost is not None else cost
+            if own is not None and m.priced:
+                c = own.for_policy(m.spec) if m.spec is not None else own
                 row["predicted_round_seconds"] = float(np.median(
                     [c.total_hist(r.k_hist) / max(r.rounds, 1) for rs in runs for r in rs]))
                 row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0

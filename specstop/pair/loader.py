@@ -250,6 +250,7 @@ def load_pair(
     name: str | None = None,
     dtype_workload: str = "decode",
     draft_quant: str | None = None,
+    draft_prefill_copy: bool = True,
 ) -> ModelPair:
     """Load a draft and a target that share a tokenizer.
 
@@ -264,6 +265,10 @@ def load_pair(
         draft_quant: "int8" or "int4": the draft's linear layers (output head included) in weight-only
             int8/int4 (:mod:`specstop.pair.quantize`, CPU), recorded in its identity (``quant``), so
             data, checkpoints and exports made with it are told apart from the float draft's.
+        draft_prefill_copy: with ``draft_quant``, keep a float copy of the weights for blocks of many rows
+            (a decoder's prompt prefill, :data:`specstop.pair.quantize.PREFILL_ROWS`). False for data
+            generation: its teacher-forced forwards score every response position in one block, and those
+            rows must run the packed kernels a decoder's draft steps run.
 
     Raises:
         TokenizerMismatchError: the tokenizers differ (names the first differing token).
@@ -315,23 +320,41 @@ def load_pair(
     )
     pair.dtype_choice = choice
     if draft_quant:
-        quantize_draft(pair, draft_quant)
+        quantize_draft(pair, draft_quant, prefill_copy=draft_prefill_copy)
     return pair
 
 
-def quantize_draft(pair: ModelPair, scheme: str) -> dict:
+def quantize_draft(pair: ModelPair, scheme: str, *, prefill_copy: bool = True) -> dict:
     """Quantize ``pair``'s draft in place (:func:`specstop.pair.quantize.quantize_weights`) and record the
-    scheme in its identity; returns the quantization record (layers, bytes before and after)."""
+    scheme in its identity; returns the quantization record (layers, bytes before and after).
+
+    ``prefill_copy``: blocks of :data:`~specstop.pair.quantize.PREFILL_ROWS` rows and more run on a float
+    copy of the weights (a decoder's prompt prefill at bf16's speed); False runs every row on the packed
+    kernels (data generation's teacher-forced forwards, whose rows are draft steps)."""
     from dataclasses import replace
 
     from specstop.pair.quantize import PREFILL_ROWS, quantize_weights
 
-    record = quantize_weights(pair.draft, scheme, prefill_rows=PREFILL_ROWS.get(scheme))
+    record = quantize_weights(pair.draft, scheme, prefill_rows=PREFILL_ROWS.get(scheme) if prefill_copy else None)
     pair.draft_identity = replace(pair.draft_identity, quant=record["scheme"])
-    log.info("draft in weight-only %s: %d linear layers, %.0f -> %.0f MB per decode step (blocks of %s+ rows on a "
-             "%.0f MB float copy)", record["scheme"], record["layers"], record["bytes_before"] / 1e6,
-             record["bytes_after"] / 1e6, record["prefill_rows"], record["prefill_copy_bytes"] / 1e6)
+    where = (f"blocks of {record['prefill_rows']}+ rows on a {record['prefill_copy_bytes'] / 1e6:.0f} MB float copy"
+             if record["prefill_rows"] else "every row on the packed kernels")
+    log.info("draft in weight-only %s: %d linear layers, %.0f -> %.0f MB per decode step (%s)", record["scheme"],
+             record["layers"], record["bytes_before"] / 1e6, record["bytes_after"] / 1e6, where)
     return record
+
+
+def self_draft(pair: ModelPair, scheme: str) -> ModelPair:
+    """The target quantized as its own draft: a pair with the same target and, as its draft, a copy of
+    the target whose linear layers are weight-only ``scheme`` (:func:`quantize_draft`). The copy costs
+    the target's memory once more (packed weights plus the float prefill copy)."""
+    import copy
+    from dataclasses import replace
+
+    variant = replace(pair, draft=copy.deepcopy(pair.target), draft_identity=pair.target_identity,
+                      name=f"{pair.name}:self-{scheme}")
+    quantize_draft(variant, scheme)
+    return variant
 
 
 def _dtype_record(dtype, device: str | None, *, pair: tuple[str, str] | None = None, workload: str = "decode") -> dict:
