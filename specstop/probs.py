@@ -34,6 +34,7 @@ __all__ = [
     "top_k_probs",
     "top_k_probs_and_ids",
     "tv_distance",
+    "verify_drafts",
 ]
 
 
@@ -164,3 +165,42 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p.float() - q.float()).clamp_min(0.0)
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp_min(1e-30), p.float())
+
+
+def verify_drafts(target_logits: torch.Tensor, drafted: list[int], draft_probs: torch.Tensor | None,
+                  decoding: DecodingConfig, vocab_size: int | None, gen: torch.Generator | None) -> tuple[int, int]:
+    """One chain round's verification: how many drafted tokens the target accepts, and its own next token.
+
+    Greedy: the leading drafted tokens equal to the target's argmax, then the argmax after them.
+    Sampling (Leviathan et al.; SpecDec++ Algorithm 1): accept y_i while r_i < min(1, p_i(y_i) / q_i(y_i)),
+    then sample from norm(max(p_n - q_n, 0)) at the first rejection, or from p_K when all K are accepted.
+    The K uniforms are drawn first, then the one sample (every decoder consumes ``gen`` in this order).
+
+    Args:
+        target_logits: ``[K + 1, V_model]`` the target's logits at the K drafted positions and after them.
+        drafted: the K drafted tokens.
+        draft_probs: ``[K, V]`` the transformed distributions they were drawn from (sampling; None greedy).
+        decoding: the decoding transform (temperature 0 = greedy).
+        vocab_size: the shared vocabulary (logits beyond it are dropped).
+        gen: the sampling generator (None greedy).
+
+    Returns:
+        ``(n accepted, the target's token)``.
+    """
+    k = len(drafted)
+    if decoding.greedy:
+        mine = target_logits[:, :vocab_size].argmax(-1).tolist()
+        n = 0
+        while n < k and drafted[n] == mine[n]:
+            n += 1
+        return n, mine[n]
+    p = logits_to_probs(target_logits, decoding, vocab_size)
+    n = 0
+    if k:
+        q = draft_probs.to(p.device)
+        acc = accept_probability(p[:k], q, torch.tensor(drafted, device=p.device))
+        r = torch.rand(k, generator=gen, device=gen.device).to(p.device)
+        while n < k and bool(r[n] < acc[n]):
+            n += 1
+    dist = residual_distribution(p[n], q[n]) if n < k else p[k]
+    return n, int(torch.multinomial(dist.to(gen.device), 1, generator=gen))

@@ -50,7 +50,7 @@ from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.context import check_request, check_seed
-from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
+from specstop.probs import DecodingConfig, logits_to_probs, verify_drafts
 
 __all__ = ["BatchDecodeResult", "BatchedSpeculativeDecoder"]
 
@@ -435,19 +435,5 @@ class BatchedSpeculativeDecoder:
             p_logits: ``[K + 1, V_model]`` the target's logits at the row's drafted positions and after.
             drafted: the row's K drafted tokens. qs: their draft distributions (sampling).
         """
-        k = len(drafted)
-        if self.decoding.greedy:
-            tgt = p_logits[:, : self.vocab_size].argmax(-1).tolist()
-            n = 0
-            while n < k and drafted[n] == tgt[n]:
-                n += 1
-            return n, tgt[n]
-        p = self._probs(p_logits)
-        n = 0
-        if k:
-            acc = accept_probability(p[:k], torch.stack(qs).to(p.device), torch.tensor(drafted, device=p.device))
-            r = torch.rand(k, generator=gen, device=gen.device).to(p.device)
-            while n < k and bool(r[n] < acc[n]):
-                n += 1
-        dist = residual_distribution(p[n], qs[n].to(p.device)) if n < k else p[k]
-        return n, int(torch.multinomial(dist.to(gen.device), 1, generator=gen))
+        q = torch.stack(qs) if qs and not self.decoding.greedy else None
+        return verify_drafts(p_logits, drafted, q, self.decoding, self.vocab_size, gen)

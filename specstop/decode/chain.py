@@ -35,7 +35,7 @@ import torch
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.context import check_request, check_seed
-from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
+from specstop.probs import DecodingConfig, logits_to_probs, verify_drafts
 
 __all__ = ["DecodeResult", "SpeculativeDecoder", "eos_token_ids"]
 
@@ -322,22 +322,8 @@ class SpeculativeDecoder:
             base = len(seq)
             logits, _ = target.feed(seq[target.length :] + drafted, keep_logits=k + 1)  # rows: p_s .. p_{s+K}
             t0 = timer.add("target", t0)
-            if greedy:
-                tgt = logits[:, : self.vocab_size].argmax(-1).tolist()
-                n = 0
-                while n < k and drafted[n] == tgt[n]:
-                    n += 1
-                final = tgt[n]
-            else:
-                p = self._probs(logits)
-                n = 0
-                ys = torch.tensor(drafted, device=p.device)
-                acc = accept_probability(p[:k], torch.stack(qs).to(p.device), ys)
-                r = torch.rand(k, generator=gen, device=gen.device).to(p.device)
-                while n < k and bool(r[n] < acc[n]):
-                    n += 1
-                dist = residual_distribution(p[n], qs[n].to(p.device)) if n < k else p[k]
-                final = int(torch.multinomial(dist.to(gen.device), 1, generator=gen))
+            n, final = verify_drafts(logits, drafted, None if greedy else torch.stack(qs), self.decoding,
+                                     self.vocab_size, gen)
             t0 = timer.add("accept", t0)
 
             emitted = drafted[:n] + [final]

@@ -34,7 +34,7 @@ from specstop.decode.chain import _LM, DecodeResult, _Timer, eos_token_ids
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.context import check_request, check_seed
-from specstop.probs import DecodingConfig, accept_probability, logits_to_probs, residual_distribution
+from specstop.probs import DecodingConfig, logits_to_probs, verify_drafts
 
 __all__ = ["MultiLevelDecoder"]
 
@@ -124,49 +124,48 @@ class MultiLevelDecoder:
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         return logits_to_probs(logits, self.decoding, self.vocab_size)
 
-    def _pick(self, logits: torch.Tensor, gen: torch.Generator | None) -> int:
+    def _pick(self, logits: torch.Tensor, probs: torch.Tensor | None, gen: torch.Generator | None) -> int:
+        """Greedy: the argmax of the shared-vocabulary logits; else a sample of ``probs`` (their transform)."""
         if self.decoding.greedy:
             return int(logits[..., : self.vocab_size].argmax(-1))
-        return int(torch.multinomial(self._probs(logits).to(gen.device), 1, generator=gen))
-
-    def _stops(self, policy: StoppingPolicy | None, logits: torch.Tensor, token: int, position: int,
-               timer: _Timer) -> bool:
-        """``policy``'s decision after a drafted ``token`` drawn from ``logits`` (None: never stops)."""
-        if policy is None:
-            return False
-        t0 = timer.now()
-        q = self._probs(logits) if (policy.reads_probs or not self.decoding.greedy) else None
-        stop = policy.should_stop(logits, None, position=position, draft_probs=q, draft_token=token)
-        timer.add("predictor", t0)
-        return stop
+        return int(torch.multinomial(probs.to(gen.device), 1, generator=gen))
 
     # ------------------------------------------------------------------ one level's tokens
     def _tokens(self, level: int, seq: list[int], cap: int, policy: StoppingPolicy | None, ctx: dict
-                ) -> tuple[list[int], list[torch.Tensor]]:
-        """Up to ``cap`` tokens of ``models[level]`` after ``seq``, with the logits each was drawn from.
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Up to ``cap`` tokens of ``models[level]`` after ``seq``, with the distribution each was drawn from
+        (``[V]`` after the decoding transform; None when greedy and the policy does not read it).
 
         ``policy`` (drafting for the level above; None at the top) may stop after any token; EOS ends
-        the tokens too.
+        the tokens too. Each distribution is computed once, for the pick, the policy and the level above.
         """
         levels, timer, gen = ctx["levels"], ctx["timer"], ctx["gen"]
         me = levels[level]
+        want_q = policy is not None and (not self.decoding.greedy or policy.reads_probs)
         tokens: list[int] = []
-        rows: list[torch.Tensor] = []
+        qs: list[torch.Tensor | None] = []
         while len(tokens) < cap:
             here = seq + tokens
             if level == 0:
-                logits = me.logits(here, 1, timer)
-                block, block_rows = [self._pick(logits[-1], gen)], [logits[-1]]
-            else:
-                block, block_rows = self._round(level, here, cap - len(tokens), ctx)
-            for tok, row in zip(block, block_rows):
+                row = me.logits(here, 1, timer)[-1]
+                q = self._probs(row) if want_q else None
+                block = [(self._pick(row, q, gen), row, q)]
+            else:  # this level's round: its rows' distributions are computed as the tokens are read
+                block = [(tok, row, None) for tok, row in zip(*self._round(level, here, cap - len(tokens), ctx))]
+            for tok, row, q in block:
+                if q is None and want_q:
+                    q = self._probs(row)
                 tokens.append(tok)
-                rows.append(row)
-                position = len(seq) + len(tokens) - 1 - ctx["prompt_len"]
-                stop = self._stops(policy, row, tok, position, timer)
+                qs.append(q)
+                stop = False
+                if policy is not None:
+                    t0 = timer.now()
+                    position = len(seq) + len(tokens) - 1 - ctx["prompt_len"]
+                    stop = policy.should_stop(row, None, position=position, draft_probs=q, draft_token=tok)
+                    timer.add("predictor", t0)
                 if stop or tok in self.eos or len(tokens) >= cap:
-                    return tokens, rows
-        return tokens, rows
+                    return tokens, qs
+        return tokens, qs
 
     def _round(self, level: int, seq: list[int], room: int, ctx: dict) -> tuple[list[int], list[torch.Tensor]]:
         """One round of ``models[level]`` drafted for by the level below: the tokens it emits (accepted
@@ -180,28 +179,15 @@ class MultiLevelDecoder:
             if level == len(levels) - 1:
                 ctx["round_k"].append(0)
                 ctx["round_n"].append(0)
-            return [self._pick(logits[-1], gen)], [logits[-1]]
+            probs = None if self.decoding.greedy else self._probs(logits[-1])
+            return [self._pick(logits[-1], probs, gen)], [logits[-1]]
         policy.reset()
         drafted, q_rows = self._tokens(level - 1, seq, k_cap, policy, ctx)
         k = len(drafted)
         logits = me.logits(seq + drafted, k + 1, timer)  # rows: this level's distributions at s .. s + k
         t0 = timer.now()
-        if self.decoding.greedy:
-            mine = logits[:, : self.vocab_size].argmax(-1).tolist()
-            n = 0
-            while n < k and drafted[n] == mine[n]:
-                n += 1
-            final = mine[n]
-        else:
-            p = self._probs(logits)
-            q = torch.stack([self._probs(r) for r in q_rows]).to(p.device)
-            acc = accept_probability(p[:k], q, torch.tensor(drafted, device=p.device))
-            r = torch.rand(k, generator=gen, device=gen.device).to(p.device)
-            n = 0
-            while n < k and bool(r[n] < acc[n]):
-                n += 1
-            dist = residual_distribution(p[n], q[n]) if n < k else p[k]
-            final = int(torch.multinomial(dist.to(gen.device), 1, generator=gen))
+        q = None if self.decoding.greedy else torch.stack(q_rows)
+        n, final = verify_drafts(logits, drafted, q, self.decoding, self.vocab_size, gen)
         timer.add("accept", t0)
         policy.end_round(k, n)
         me.stats.rounds += 1

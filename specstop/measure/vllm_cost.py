@@ -8,8 +8,9 @@ greedy decoding of the prompts B at a time for each B of the batch grid, and the
 ``engine_costs()``. Then vLLM's own draft-model runner (``speculative_config={"model": DRAFT,
 "num_speculative_tokens": K}``), which runs a fixed K, and vLLM without speculation are timed per
 decode step at each batch size (:func:`time_runner`, float drafts only), so the options vLLM runs
-itself (a fixed K, the batch schedule) are priced with their own costs. :func:`specstop.measure.engine_cost.cost_model_from_engine` turns both into the cost
-model written to ``--out``.
+itself (a fixed K, the batch schedule) are priced with their own costs.
+:func:`specstop.measure.engine_cost.cost_model_from_engine` turns both into the cost model written to
+``--out``.
 
 The engine settings are the serving benchmark's (``benchmarks/vllm_serving.py``): the single-process
 executor, eager mode, every CPU of this process's affinity for vLLM's threads, no prefix caching.

@@ -19,9 +19,10 @@ reference draft: bf16 0.112 s, int8 0.060 s, int4 0.025 s; a prefill of 150 rows
 int8 1.22 s and int4 0.93 s. So a quantized draft keeps a float copy of its weights for blocks of
 :data:`PREFILL_ROWS` rows and more (``prefill_rows``): its decode steps stream the packed weights, its
 prefills run at bf16's speed, for the float copy's memory. Data generation loads the draft without the
-copy (``load_pair(draft_prefill_copy=False)``): its teacher-forced forwards score every response position
-in one block, and those rows must be the packed kernels' numerics, which the draft's decode steps run. In vLLM, ``calibrate-cost --engine vllm
---draft-quant`` times the quantized draft where it runs.
+copy (``load_pair(draft_prefill_copy=False)``): its teacher-forced forwards score every response
+position in one block, and those rows must be the packed kernels' numerics, which the draft's decode
+steps run. In vLLM, ``calibrate-cost --engine vllm --draft-quant`` times the quantized draft where it
+runs.
 """
 
 from __future__ import annotations
