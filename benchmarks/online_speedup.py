@@ -1,6 +1,12 @@
 """Online speedup benchmark: real decoding, side by side, repeated, with a spread (see specstop/measure/online.py).
 
-Methods (greedy):
+Decoding: greedy, or sampled as --data's dataset was (its temperature / top-k / top-p), or as --temperature,
+--top-k and --top-p say. Sampled runs decode repeat r with seed r in every method, time per token is pooled
+over the seeds, each seed's speedup is shown as a range, and the replay of a sampled dataset (realisations
+of the acceptance draws along each prompt's recorded sample) predicts tokens per round and speedup; HF's
+methods run greedy only.
+
+Methods:
     target              baseline: the target alone through our decoder's loop (max_draft=0; prefill timed)
     target (HF generate) --hf-target: the target alone through HF generate
     hf-default          --hf-default: HF assisted generation with its defaults (20 tokens, constant, confidence 0.4)
@@ -44,6 +50,9 @@ Example (the reference pair, this machine's calibration, a dataset's held-out pr
     python benchmarks/online_speedup.py --pair qwen2.5-coder-0.5b-1.5b --data runs/quickstart/data --split test \\
         --policy static:2 --policy static:4 --policy static:8 --policy runs/quickstart/export \\
         --hf-default --cost cost.json --replay-report runs/quickstart/eval/report.json --out online.json
+Sampled, as a T = 1 dataset was made (configs/pipelines/sampled.yaml with --data.generation.temperature 1.0):
+    python benchmarks/online_speedup.py --pair qwen2.5-coder-0.5b-1.5b --data runs/sampled_t10/data --split test \
+        --repeats 3 --policy runs/sampled_t10/export --policy static:2 --cost runs/sampled_t10/cost.json
 """
 
 from __future__ import annotations
@@ -81,7 +90,8 @@ def self_drafts(pair, schemes: str) -> list[tuple[str, object]]:
             for scheme in filter(None, (check_scheme(s) for s in schemes.split(",") if s.strip()))]
 
 
-def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, selfs: list) -> tuple[list, dict]:
+def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, selfs: list,
+                        decoding=None) -> tuple[list, dict]:
     """One method per ``LO/HI`` of ``texts``: the pair's draft in ``scheme`` drafts (policy LO) for the target in
     ``scheme``, which drafts (policy HI) for the target; reuses the run's quantized copies when it has them.
     Returns the methods and ``{method name: [per-run level counters]}``, filled as they run."""
@@ -104,18 +114,18 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
             raise SystemExit(f"--multi-level {text}: give two policies, LO/HI (the draft's for the quantized target, "
                              "then the quantized target's for the target), e.g. static:3/confidence:0.6")
         try:
-            dec = MultiLevelDecoder(bottom, [middle.draft], parts)
+            dec = MultiLevelDecoder(bottom, [middle.draft], parts, decoding)
         except UserError as err:
             raise SystemExit(f"--multi-level {text}: {err}") from None
         name = f"ours[{scheme} / self-{scheme}] {text}"
         fn, runs = online.decoder_method(name, dec).fn, levels.setdefault(name, [])
 
-        def run(ids, n, fn=fn, dec=dec, runs=runs):
-            out = fn(ids, n)
+        def run(ids, n, seed=0, fn=fn, dec=dec, runs=runs):
+            out = fn(ids, n, seed)
             runs.append(dec.last_levels)
             return dataclasses.replace(out, k_hist=None)  # a chain's K histogram would price it as one
 
-        methods.append(online.Method(name, run))
+        methods.append(online.Method(name, run, seeded=True))
     return methods, levels
 
 
@@ -176,9 +186,10 @@ def text_prompts(args, tokenizer) -> list[list[int]]:
     return [render(t, tokenizer, True) for t in texts[: args.limit or None]]
 
 
-def load_policy(text: str, pair, tuned: dict | None):
+def load_policy(text: str, pair, tuned: dict | None, decoding=None):
     """(display name, StoppingPolicy) for static:K / heuristic / confidence:T / an export folder / tuned:NAME;
-    (text, tree shape) for mcsd:... / tree:N; (text, PEARL spec) for pearl / pearl:G."""
+    (text, tree shape) for mcsd:... / tree:N; (text, PEARL spec) for pearl / pearl:G. An export tuned per
+    decoding setting is set to ``decoding``'s (its name says which)."""
     from specstop.decode import parse_tree_policy
     from specstop.decode.pearl_spec import parse_pearl_policy
     from specstop.errors import UserError
@@ -203,7 +214,18 @@ def load_policy(text: str, pair, tuned: dict | None):
         return f"{name} ({spec.label})", StoppingPolicy.from_spec(spec)
     pol = StoppingPolicy.load(text, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash,
                               device=pair.draft_device)
+    if decoding is not None:
+        pol.configure(decoding)
     return (f"export {pol.label}" if Path(text).is_dir() else text), pol
+
+
+def distinct_names(loaded: list[tuple[str, str, object]]) -> list[tuple[str, str, object]]:
+    """``(text, name, policy)`` with every name unique: two exports of one tuned policy (say disco_ffn tuned
+    greedy and at T = 1) get their folder after the name."""
+    counts: dict[str, int] = {}
+    for _, name, _ in loaded:
+        counts[name] = counts.get(name, 0) + 1
+    return [(text, f"{name} ({text})" if counts[name] > 1 else name, pol) for text, name, pol in loaded]
 
 
 def policy_pair(text: str, pair, quantized: list[tuple[str, object]]) -> tuple[str | None, object]:
@@ -218,6 +240,23 @@ def policy_pair(text: str, pair, quantized: list[tuple[str, object]]) -> tuple[s
     if scheme not in variants:
         raise SystemExit(f"--policy {text} was trained with the {scheme} draft: add --draft-quant {scheme} to run it")
     return scheme, variants[scheme]
+
+
+def run_decoding(args, generation: dict | None):
+    """The DecodingConfig every method decodes with: --temperature / --top-k / --top-p where given, the rest
+    from the dataset's ``generation`` (its manifest's), greedy without either."""
+    from specstop.probs import DecodingConfig
+
+    generation = generation or {}
+    temperature = args.temperature if args.temperature is not None else float(generation.get("temperature") or 0.0)
+    top_k = args.top_k if args.top_k is not None else int(generation.get("top_k") or 0)
+    top_p = args.top_p if args.top_p is not None else float(generation.get("top_p") or 1.0)
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise SystemExit(f"--temperature {temperature} --top-k {top_k} --top-p {top_p}: give temperature >= 0, "
+                         "top-k >= 0 and 0 < top-p <= 1")
+    if not temperature:
+        return DecodingConfig()
+    return DecodingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def main(argv=None) -> int:
@@ -269,6 +308,10 @@ def main(argv=None) -> int:
                     "the target, e.g. static:3/confidence:0.6 (repeatable)")
     ap.add_argument("--multi-level-quant", default="int4", metavar="SCHEME",
                     help="the scheme of both lower levels of --multi-level (default int4)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature (0 = greedy); default: --data's, else greedy")
+    ap.add_argument("--top-k", type=int, default=None, help="top-k under sampling (0 = off); default: --data's")
+    ap.add_argument("--top-p", type=float, default=None, help="top-p under sampling (1 = off); default: --data's")
     ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
     ap.add_argument("--out", help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
@@ -288,7 +331,6 @@ def main(argv=None) -> int:
     from specstop.export.runtime import StoppingPolicy
     from specstop.measure import online
     from specstop.pair import load_named_pair
-    from specstop.probs import DecodingConfig
     from specstop.tree_policy import DynamicTreeShape
 
     pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
@@ -298,6 +340,14 @@ def main(argv=None) -> int:
     else:
         prompts, max_new = text_prompts(args, pair.tokenizer), 64
     max_new = args.max_new_tokens or max_new
+    decoding = run_decoding(args, read_manifest(args.data)["generation"] if args.data else None)
+    if not decoding.greedy:
+        hf = [flag for flag in ("hf_default", "hf_heuristic", "hf_target", "hf_stock", "hf_policies") if getattr(args, flag)]
+        if hf:
+            raise SystemExit(f"--{hf[0].replace('_', '-')}: HF's methods here decode greedily; drop them for a sampled "
+                             f"run (temperature {decoding.temperature:g}) or pass --temperature 0")
+        print(f"sampled decoding: temperature {decoding.temperature:g}, top-k {decoding.top_k}, top-p "
+              f"{decoding.top_p:g}; repeat r decodes with seed r")
     cost = load_cost_model(args.cost) if args.cost else None
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned else None
     replay_rows = json.loads(Path(args.replay_report).read_text()).get("rows") or {} if args.replay_report else {}
@@ -313,20 +363,21 @@ def main(argv=None) -> int:
         vcost = variant_cost.get(scheme)
         replay = None
         vdata = variant_data.get(scheme)
-        if vdata and vcost is not None and names is not None and applies(read_manifest(vdata)["generation"], max_new):
+        if (vdata and vcost is not None and names is not None
+                and applies(read_manifest(vdata)["generation"], max_new, decoding)):
             replay = replay_policies(vdata, args.split, names, max_new, {label: pol}, vcost)[label]
-        return online.decoder_method(label, SpeculativeDecoder(qpair, pol, DecodingConfig(), **kw), spec=pol.spec,
+        return online.decoder_method(label, SpeculativeDecoder(qpair, pol, decoding, **kw), spec=pol.spec,
                                      cost=vcost, priced=vcost is not None, same_prompts=replay)
 
-    base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), DecodingConfig(), **kw)
+    base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), decoding, **kw)
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
     if args.hf_target:
         methods.append(online.hf_target_method("target (HF generate)", pair))
     on = {text: policy_pair(text, pair, quantized) for text in args.policy or ["static:4"]}
-    loaded = [(text, *load_policy(text, on[text][1], tuned)) for text in on]
+    loaded = distinct_names([(text, *load_policy(text, on[text][1], tuned, decoding)) for text in on])
     chains = [(text, name, pol) for text, name, pol in loaded if isinstance(pol, StoppingPolicy) and not on[text][0]]
     same = {}
-    if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new):
+    if names is not None and cost is not None and applies(read_manifest(args.data)["generation"], max_new, decoding):
         # The replay of exactly these prompts at this budget: the like-for-like prediction.
         same = replay_policies(args.data, args.split, names, max_new, {n: p for _, n, p in chains}, cost)
     ref_text = args.reference or ("tuned:static_opt" if "tuned:static_opt" in (args.policy or []) else None)
@@ -358,7 +409,7 @@ def main(argv=None) -> int:
                     tuned_rule = stop_text.startswith("tuned:") and not Path(stop_text).is_dir()
                     spec = plain.spec.with_stop(stop_pol.spec if tuned_rule else stop_text)
                 try:
-                    dec = PearlDecoder(pair, spec, DecodingConfig(), workers=pearl_pool)
+                    dec = PearlDecoder(pair, spec, decoding, workers=pearl_pool)
                 except UserError as err:  # e.g. a heuristic schedule, which PEARL's windows cannot drive
                     raise SystemExit(f"--pearl-stop {stop_text}: {err}") from None
                 pearls.append(dec.start())
@@ -369,21 +420,21 @@ def main(argv=None) -> int:
                 fn = online.decoder_method(f"ours {label}", dec).fn  # PEARL's phases are no chain K histogram
                 pred = None
                 if (stop_text is None and names is not None and cost is not None
-                        and applies(read_manifest(args.data)["generation"], max_new)):
+                        and applies(read_manifest(args.data)["generation"], max_new, decoding)):
                     from specstop.eval.same_prompts import pearl_same_prompts
 
                     pred = pearl_same_prompts(args.data, args.split, names, max_new, cost, dec.spec.gamma)
                 methods.append(online.Method(f"ours {label}",
-                                             lambda ids, n, fn=fn: dataclasses.replace(fn(ids, n), k_hist=None),
-                                             same_prompts=pred))
+                                             lambda ids, n, seed=0, fn=fn: dataclasses.replace(fn(ids, n, seed), k_hist=None),
+                                             same_prompts=pred, seeded=True))
             continue
         if not isinstance(pol, StoppingPolicy):  # a token tree, priced round by round (no K histogram)
-            methods.append(online.tree_method(f"ours {name}", TreeDecoder(pair, pol, DecodingConfig()), cost=cost))
+            methods.append(online.tree_method(f"ours {name}", TreeDecoder(pair, pol, decoding), cost=cost))
             if args.node_head and isinstance(pol, DynamicTreeShape):  # the same node budget, grown by the head
                 head = load_node_head(args.node_head)
                 head.check_pair(pair)
                 methods.append(online.tree_method(f"ours {name}+node-head",
-                                                  TreeDecoder(pair, pol, DecodingConfig(), node_head=head), cost=cost))
+                                                  TreeDecoder(pair, pol, decoding, node_head=head), cost=cost))
             continue
         scheme, own = on[text]
         if scheme is not None:  # an export of a quantized draft: its own copy of the pair (no float replay applies)
@@ -397,7 +448,7 @@ def main(argv=None) -> int:
             lookup = text.split(":", 1)[1] if text.startswith("tuned:") else (pol.config.get("name") or text)
             key = row_key_for_policy(replay_rows, lookup)
             replay = replay_rows[key].get("speedup") if key else None
-        dec = SpeculativeDecoder(pair, pol, DecodingConfig(), **kw)
+        dec = SpeculativeDecoder(pair, pol, decoding, **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
         for scheme, qpair in [*quantized, *selfs]:
@@ -409,7 +460,8 @@ def main(argv=None) -> int:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     levels = {}
     if args.multi_level:
-        stacked, levels = multi_level_methods(pair, args.multi_level, args.multi_level_quant, quantized, selfs)
+        stacked, levels = multi_level_methods(pair, args.multi_level, args.multi_level_quant, quantized, selfs,
+                                              decoding)
         methods.extend(stacked)
     if args.hf_default:
         methods.append(online.hf_assisted_method("hf-default", pair))
@@ -422,14 +474,16 @@ def main(argv=None) -> int:
         methods.append(online.hf_assisted_method("hf-heuristic", pair, num_assistant_tokens=5,
                                                  schedule="heuristic", confidence=None))
     try:
-        meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats)
+        meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats,
+                              seeds=not decoding.greedy)
     finally:
         for dec in pearls:
             dec.close()
         if pearl_pool is not None:
             pearl_pool.close()
-    flips = online.greedy_flips(pair, prompts, meas, "target")
-    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference)
+    flips = online.greedy_flips(pair, prompts, meas, "target") if decoding.greedy else []
+    summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference,
+                               sampled=not decoding.greedy)
     print()
     print(f"pair {pair.name}: {pair.target_identity.dtype} ({pair.dtype_record().get('reason')}), "
           f"device {pair.target_device}")
@@ -446,7 +500,7 @@ def main(argv=None) -> int:
         print(f"  {name}: {level_summary(runs)}")
     if args.out:
         doc = {"args": vars(args), "pair": pair.to_dict(), "cost": cost.to_dict() if cost else None,
-               "summary": summary, "levels": levels,
+               "decoding": dataclasses.asdict(decoding), "summary": summary, "levels": levels,
                "runs": {m: [[r.__dict__ for r in rs] for rs in runs] for m, runs in meas.runs.items()}}
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
     return 0

@@ -322,6 +322,66 @@ class TypedCommand:
         out += [f"{leaf.dotted_flag}={_as_flag_text(values)}" for leaf, values in items.items()]
         return out
 
+    def _merge_mapping_keys(self, argv: list[str], file_values: dict[str, Any]) -> list[str]:
+        """``--data.generation.temperature 1.0`` for a mapping setting (``data``): one key set inside the
+        file's mapping (or the default's), the rest kept, the value read as YAML (``1.0`` a float, ``[a,
+        b]`` a list). The merged mapping goes on as one ``--data=JSON`` flag."""
+        import json
+
+        import yaml
+
+        mappings = {leaf.path for leaf in self.leaves if "." not in leaf.path and any(
+            h is dict or typing.get_origin(h) is dict for h in (leaf.hint, *typing.get_args(leaf.hint)))}
+        if not mappings:
+            return argv
+        merged: dict[str, dict] = {}
+        out: list[str] = []
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            name, eq, inline = arg.partition("=")
+            root, dot, key = name[2:].partition(".") if name.startswith("--") else ("", "", "")
+            root = root.replace("-", "_")
+            if root not in mappings or (dot and not key):
+                out.append(arg)
+                i += 1
+                continue
+            if not eq and i + 1 >= len(argv):
+                raise UserError(f"{name} needs a value; see {self.prog} --help")
+            text = inline if eq else argv[i + 1]
+            i += 1 if eq else 2
+            if not dot:  # the whole mapping: it replaces the file's, and keys given after it merge over it
+                try:
+                    merged[root] = yaml.safe_load(text)
+                except yaml.YAMLError as err:
+                    raise UserError(f"{name} {text!r}: not a YAML mapping ({err})") from None
+                if not isinstance(merged[root], dict) and merged[root] is not None:
+                    raise UserError(f"{name} {text!r}: give a mapping, e.g. {name} '{{key: value}}'")
+                continue
+            if merged.get(root) is None:
+                start = file_values[root] if root in file_values else self._default_of(root)
+                merged[root] = json.loads(json.dumps(start or {}))  # a copy: the file's values stay as read
+            node = merged[root]
+            *parents, last = key.split(".")
+            for depth, part in enumerate(parents):
+                if not isinstance(node.get(part, {}), dict):
+                    within = ".".join([root, *parents[: depth + 1]])
+                    child = (parents[depth + 1:] or [last])[0]
+                    raise UserError(f"{name}: {within} is not a mapping, so it has no key {child!r}")
+                node = node.setdefault(part, {})
+            try:
+                node[last] = yaml.safe_load(text)
+            except yaml.YAMLError as err:
+                raise UserError(f"{name} {text!r}: not a YAML value ({err})") from None
+        return out + [f"--{root}={json.dumps(value)}" for root, value in merged.items()]
+
+    def _default_of(self, path: str) -> Any:
+        """A top-level setting's default value."""
+        field = next(f for f in dataclasses.fields(self.root) if f.name == path)
+        if field.default is not dataclasses.MISSING:
+            return field.default
+        return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+
     def _config_path(self, argv: list[str]) -> str | None:
         for i, arg in enumerate(argv):
             if arg == "--config" and i + 1 < len(argv):
@@ -342,8 +402,10 @@ class TypedCommand:
         """
         argv = list(argv)
         path = self._config_path(argv) if self.config_flag else None
+        file_values = leaf_values(self.load_file(path)) if path is not None else {}
         if path is not None:
-            self.parser.set_defaults(leaf_values(self.load_file(path)))
+            self.parser.set_defaults(file_values)
+        argv = self._merge_mapping_keys(argv, file_values)
         try:
             ns = self.parser.parse_args(self._rewrite(argv))
             built = self.parser.instantiate(ns)

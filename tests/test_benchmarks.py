@@ -29,6 +29,7 @@ SMOKE = {
                          "--max-new-tokens 4 --dtype float32 --device cpu --draft-quant int8 --self-draft int8 "
                          "--multi-level static:1/static:2 --multi-level-quant int8 --out {out}",
     "replay_speed.py": "--tokens 2000 --tokens-per-prompt 100",
+    "step_drift.py": "--pair {pair} --dtype float32 --processes 2 --reps 1 --rows 1,2 --context 4",
     "stopping_headroom.py": "--data {data} --split test --out {tmp}/headroom",
     "theorem1_check.py": "--pair {pair} --limit 1 --seeds 1 --max-new-tokens 4 --dtype float32 --out {out}",
     "train_throughput.py": "--rows 256 --hidden-size 16 --batch-size 64 --epochs 1 --device cpu --families disco_ffn "
@@ -296,3 +297,33 @@ def test_online_speedup_runs_a_quantized_drafts_export_on_that_draft_and_multi_l
     (name, runs), = record["levels"].items()
     assert name == "ours[int8 / self-int8] static:2/confidence:0.5" and name in rows
     assert [lv["name"] for lv in runs[0]] == ["level0", "level1", "target"] and runs[0][2]["rounds"] > 0
+
+
+def test_online_speedup_samples_with_a_seed_per_repeat(tiny_pair_dir, tmp_path, monkeypatch):
+    """--temperature / --top-p: every method samples (chains, trees, multi-level), repeat r with seed r,
+    and the summary pools the seeds and shows their range; HF's greedy-only methods are refused."""
+    monkeypatch.chdir(tmp_path)
+    base = ["--pair", str(tiny_pair_dir), "--prompt", "hello", "--prompt", "a longer prompt here", "--limit", "2",
+            "--repeats", "3", "--max-new-tokens", "6", "--dtype", "float32", "--device", "cpu", "--temperature", "0.8",
+            "--top-p", "0.9", "--policy", "static:2", "--policy", "mcsd:2,1"]
+    import runpy
+
+    main = runpy.run_path(str(BENCH / "online_speedup.py"))["main"]
+    with pytest.raises(SystemExit, match="--hf-default: HF's methods here decode greedily"):
+        main([*base, "--hf-default"])
+    out = tmp_path / "sampled.json"
+    old_threads = torch.get_num_threads()
+    try:
+        assert run_script(BENCH / "online_speedup.py", [*base, "--multi-level", "static:2/static:2",
+                                                        "--multi-level-quant", "int8", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    record = json.loads(out.read_text())
+    assert record["decoding"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
+    summary = record["summary"]
+    assert summary["sampled"] and summary["all_identical"] is None
+    for name in ("ours static:2", "ours mcsd:2,1", "ours[int8 / self-int8] static:2/static:2"):
+        med, lo, hi = summary["rows"][name]["decode_speedup_seeds"]
+        assert lo <= med <= hi
+    runs = record["runs"]["ours static:2"]
+    assert len({tuple(r["tokens"]) for rs in runs for r in rs}) > 2  # the seeds sample different responses

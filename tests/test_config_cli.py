@@ -268,3 +268,26 @@ def test_pipeline_sections_are_typed_mappings(tmp_path):
     yaml_file.write_text("pair: x\ntune: {sl_max: 4}\n")
     with pytest.raises(UserError, match=r"unknown config key 'tune.sl_max'"):
         command().parse(["--config", str(yaml_file)])
+
+
+def test_a_key_of_a_mapping_setting_merges_into_the_files_mapping(tmp_path):
+    """`--data.generation.temperature 1.0` sets one key inside the config file's `data` mapping (typed as
+    YAML) and keeps the rest; a whole `--data` replaces the file's, and keys after it merge over it."""
+    from specstop.pipeline.cli import command
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pair: p\ndata:\n  generation: {max_new_tokens: 64, temperature: 0.7, top_p: 0.9}\n"
+                   "  prompts: {source: builtin:mbpp}\n")
+    settings, _ = command().parse(["--config", str(cfg), "--data.generation.temperature", "1.0",
+                                   "--data.generation.top_p=1", "--data.labels.topk_k", "10"])
+    assert settings.data == {"generation": {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1},
+                             "prompts": {"source": "builtin:mbpp"}, "labels": {"topk_k": 10}}
+    settings, _ = command().parse(["--config", str(cfg), "--data", "{prompts: {source: x.jsonl}}",
+                                   "--data.generation.temperature", "0"])
+    assert settings.data == {"prompts": {"source": "x.jsonl"}, "generation": {"temperature": 0}}
+    settings, _ = command().parse(["--config", str(cfg)])
+    assert settings.data["generation"]["temperature"] == 0.7  # the file's values, as read
+    with pytest.raises(UserError, match="data.generation.max_new_tokens is not a mapping"):
+        command().parse(["--config", str(cfg), "--data.generation.max_new_tokens.x", "1"])
+    with pytest.raises(UserError, match="--data 'abc': give a mapping"):
+        command().parse(["--config", str(cfg), "--data", "abc"])

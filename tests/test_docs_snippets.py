@@ -62,6 +62,8 @@ NOT_RUN = {
 #: ``specstop`` command lines parsed but not run, though their command is one that runs: why.
 PARSED_ONLY = {
     "--policy pearl": "PEARL starts two worker processes (about 15 s on 2 cores); tests/test_pearl_decoder.py runs them",
+    "--also-tuned": "needs the policy tuned on data made at another temperature; tests/test_by_decoding.py exports the "
+                    "same way from greedy and T = 1 data of the tiny pair",
 }
 #: Commands that run for real after their line parsed (the others are the heavy stages - data
 #: generation, training, calibration, tuning and replay on real data, the 1 GB fetch - and parse only).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -236,3 +237,50 @@ def test_every_shipped_pipeline_config_parses():
         assert cfg.families, p
         for fam in cfg.families:
             assert (root.parents[1] / fam.config).is_file(), (p, fam.config)
+
+
+def test_pipeline_tunes_the_policy_per_decoding_setting(pipeline_config, tmp_path, monkeypatch):
+    """also_decoding: a dataset per extra setting, the run's predictor tuned on each, one export carrying
+    every setting's numbers; a bad entry stops before any stage in one line."""
+    import pathlib
+
+    from specstop.export.runtime import StoppingPolicy
+    from specstop.probs import DecodingConfig
+
+    _, base = pipeline_config
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    cfg = {**base, "run_dir": str(tmp_path / "run"), "families": base["families"][:1], "cost_model": "llama2-7b-70b",
+           "online_prompts": 0, "also_decoding": [{"temperature": 1.0}]}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", "--config", str(path)]) == 0
+    run_dir = tmp_path / "run"
+    st = _stages(run_dir)
+    assert st["data_t1"] == "ran" and st["tune_t1"] == "ran" and st["export"] == "ran", st
+    hot = json.loads((run_dir / "data_t1" / "manifest.json").read_text())["generation"]
+    assert hot["temperature"] == 1.0 and hot["max_new_tokens"] == 16
+    tuned = json.loads((run_dir / "tuned_t1.json").read_text())
+    assert tuned["checkpoints"] == json.loads((run_dir / "tuned.json").read_text())["checkpoints"]
+    export = json.loads((run_dir / "export" / "config.json").read_text())
+    assert [e["decoding"]["temperature"] for e in export["by_decoding"]] == [0.0, 1.0]
+    policy = StoppingPolicy.from_pretrained(run_dir / "export")
+    assert policy.configure(DecodingConfig(temperature=1.0)).spec.to_dict() == export["by_decoding"][1]["policy"]
+    md = (run_dir / "report.md").read_text()
+    assert "## The exported policy per decoding setting" in md and "| T=1 | disco_ffn(" in md
+    assert main(["pipeline", "--config", str(path)]) == 0
+    assert set(_stages(run_dir).values()) == {"reused"}
+    # A stage that runs again (its record lost) reruns its readers, though no configuration changed.
+    (run_dir / "stages" / "data_t1.json").unlink()
+    assert main(["pipeline", "--config", str(path)]) == 0
+    st = _stages(run_dir)
+    assert st["data_t1"] == "ran" and st["tune_t1"] == "ran" and st["export"] == "ran", st
+    assert st["data"] == st["tune"] == st["eval"] == "reused", st
+
+    bad = tmp_path / "bad.yaml"
+    for entry, message in (({"temp": 1.0}, "also_decoding[0] must map some of temperature, top_k, top_p"),
+                           ({"temperature": 0}, "also_decoding[0] (greedy) repeats the data section's setting")):
+        bad.write_text(yaml.safe_dump({**cfg, "also_decoding": [entry]}))
+        with pytest.raises(Exception, match=re.escape(message)):
+            from specstop.pipeline import PipelineConfig
+
+            PipelineConfig.from_yaml(bad)

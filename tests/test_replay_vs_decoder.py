@@ -170,7 +170,11 @@ def test_same_prompts_budget_above_the_dataset_is_refused(setup):
 
     assert applies({"temperature": 0.0, "max_new_tokens": MAX_NEW}, MAX_NEW)
     assert not applies({"temperature": 0.0, "max_new_tokens": MAX_NEW}, MAX_NEW + 1)
-    assert not applies({"temperature": 1.0, "max_new_tokens": MAX_NEW}, MAX_NEW)  # sampled: not round for round
+    # Sampled data predict sampled decoding at their own setting (over realisations), not greedy decoding.
+    from specstop.probs import DecodingConfig
+
+    assert not applies({"temperature": 1.0, "max_new_tokens": MAX_NEW}, MAX_NEW, DecodingConfig())
+    assert applies({"temperature": 1.0, "max_new_tokens": MAX_NEW}, MAX_NEW, DecodingConfig(temperature=1.0))
 
     _pair, data, _ids, _pred = setup
     with pytest.raises(ValueError, match="dataset's budget"):

@@ -165,3 +165,46 @@ def test_virtual_data_needs_sampled_columns():
     np.testing.assert_allclose(accept_given_output(d), [1.0, 0.5, 0.0, 1.0])
     chk = theorem1_check(d)
     assert chk["rejections_expected_at_samples"] == pytest.approx(1.5)
+
+
+def test_the_same_prompts_prediction_pools_realisations_and_meets_seeded_decoding(sampled):
+    """The online check's prediction for sampled data: R realisations per prompt pooled in prompt order,
+    whose tokens per round agree with the decoder's over seeds (measure(seeds=True) decodes repeat r
+    with seed r, so the repeats are different samples)."""
+    from specstop.eval.cost import CostModel
+    from specstop.eval.same_prompts import applies, replay_policies
+    from specstop.measure import online
+
+    pair, out, prompt_ids = sampled
+    names = sorted(prompt_ids)[:12]
+    cost = CostModel(t_draft=0.02, t_target=0.1)
+    pol = StoppingPolicy.from_string("static:3")
+    rep = replay_policies(out, "test", names, MAX_NEW, {"static": pol}, cost)["static"]
+    assert rep.copies == 16 and rep.k_hists is None and len(rep.per_prompt) == len(names)
+    # Pooled per prompt: prompt i's tokens are its 16 realisations' (each emits the recorded response).
+    data = load_replay_data(out, "test")
+    lengths = dict(zip(map(str, data.prompt_ids), data.lengths.tolist()))
+    assert rep.tokens == [16 * lengths[n] for n in names]
+
+    generation = {"temperature": T, "top_k": 0, "top_p": 1.0, "max_new_tokens": MAX_NEW}
+    assert applies(generation, MAX_NEW) and applies(generation, MAX_NEW, DecodingConfig(temperature=T))
+    assert not applies(generation, MAX_NEW, DecodingConfig())  # greedy decoding is another workload
+    assert not applies(generation, MAX_NEW, DecodingConfig(temperature=0.7))
+    assert not applies(generation, MAX_NEW + 1)
+
+    decoding = DecodingConfig(temperature=T)
+    methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), decoding),
+                                     max_draft=0, kind="baseline"),
+               online.decoder_method("static", SpeculativeDecoder(pair, pol, decoding), spec=pol.spec,
+                                     same_prompts=rep)]
+    prompts = [prompt_ids[n] for n in names]
+    meas = online.measure(prompts, methods, max_new_tokens=MAX_NEW, repeats=6, progress=False, seeds=True)
+    assert len({tuple(r.tokens) for r in meas.runs["static"][0]}) > 1  # each seed samples anew
+    s = online.summarize(meas, methods, baseline="target", cost=cost, sampled=True)
+    row = s["rows"]["static"]
+    med, lo, hi = row["decode_speedup_seeds"]
+    assert lo <= med <= hi
+    assert row["replay_tokens_per_round"] == pytest.approx(rep.tokens_per_round)
+    # 12 prompts x 6 seeds against 12 x 16 realisations of other samples: within 15%.
+    assert row["tokens_per_round"] == pytest.approx(rep.tokens_per_round, rel=0.15)
+    assert "; seeds " in online.to_markdown(s)

@@ -36,7 +36,6 @@ from specstop.testing import pooled_chi_square, small_vocab_pair, two_token_dist
 
 VOCAB = 12
 SETTINGS = {"top_p": DecodingConfig(temperature=0.7, top_p=0.9), "top_k": DecodingConfig(temperature=0.7, top_k=4)}
-LEARNED_SETTING = "top_p"  # learned policies run at one setting (their features read the truncated q)
 PROMPT = [4, 0]  # where both settings cut most (test_settings_cut_the_distributions)
 # The batched decoder's rows: different prompts of different lengths (left padding, per-row blocks).
 BATCH = [PROMPT, [1, 3, 2], [5, 7, 1, 2, 9]]
@@ -98,13 +97,17 @@ def _spread_threshold(scores: list[float], states) -> float:
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, pair) -> dict[str, str]:
-    """Random-init disco_ffn (reads q) and specdecpp_resnet (reads hidden states) exports for the pair,
-    with thresholds under which PROMPT's first round drafts 1, 2 or 3 tokens depending on the draws."""
+def exports(tmp_path_factory, pair) -> dict[str, dict[str, str]]:
+    """``exports[setting][name]``: random-init disco_ffn (reads q) and specdecpp_resnet (reads hidden states)
+    exports for the pair, with thresholds under which PROMPT's first round drafts 1, 2 or 3 tokens depending
+    on the draws at that setting (their features read q after the setting's truncation)."""
+    return {name: _exports(tmp_path_factory.mktemp(f"sampling-exports-{name}"), pair, decoding)
+            for name, decoding in SETTINGS.items()}
+
+
+def _exports(tmp, pair, decoding) -> dict[str, str]:
     from specstop.export.export import export_from_files
 
-    tmp = tmp_path_factory.mktemp("sampling-exports")
-    decoding = SETTINGS[LEARNED_SETTING]
     ds = write_manifest(tmp / "data", pair, temperature=decoding.temperature)
     ck = {"disco": tmp / "disco.ckpt", "sdpp": tmp / "sdpp.ckpt"}
     disco = write_checkpoint(ck["disco"], "disco_ffn", label="accept_expected", seed=1)
@@ -238,7 +241,7 @@ def _rejections(res) -> int:
     return sum(n < k for k, n in zip(res.round_lengths, res.accepted_per_round))
 
 
-def _decoder(kind: str, policy: str, pair, decoding, exports, node_head):
+def _decoder(kind: str, policy: str, pair, decoding, exports: dict[str, str], node_head):
     """``(run, close)`` for one case: ``run(seed, max_new)`` decodes and returns ``[(prompt, DecodeResult)]``
     (the batched decoder: one per row of BATCH; the others: PROMPT)."""
     if kind == "batched":
@@ -281,11 +284,11 @@ def _count_tree_rejections(monkeypatch) -> list[bool]:
 
 RULES = {"top_p": "confidence:0.5", "top_k": "static:3"}
 CASES = (
-    [("chain", s, RULES[s]) for s in SETTINGS] + [("chain", LEARNED_SETTING, e) for e in ("disco", "sdpp")]
-    + [("batched", s, RULES[s]) for s in SETTINGS] + [("batched", LEARNED_SETTING, e) for e in ("disco", "sdpp")]
+    [("chain", s, RULES[s]) for s in SETTINGS] + [("chain", s, e) for s in SETTINGS for e in ("disco", "sdpp")]
+    + [("batched", s, RULES[s]) for s in SETTINGS] + [("batched", s, e) for s in SETTINGS for e in ("disco", "sdpp")]
     + [("pearl", "top_p", "pearl:2+confidence:0.5"), ("pearl", "top_k", "pearl:1")]
-    + [("pearl", LEARNED_SETTING, e) for e in ("disco", "sdpp")]
-    + [("tree", s, "mcsd:3,2") for s in SETTINGS] + [("tree", LEARNED_SETTING, "tree:6,3+node-head")]
+    + [("pearl", s, e) for s in SETTINGS for e in ("disco", "sdpp")]
+    + [("tree", s, "mcsd:3,2") for s in SETTINGS] + [("tree", s, "tree:6,3+node-head") for s in SETTINGS]
 )
 ADAPTIVE = ("confidence", "disco", "sdpp")  # policies whose decisions depend on the draft
 
@@ -296,7 +299,7 @@ def test_sampling_follows_the_target(decoder, setting, policy, pair, exact, expo
     decoding = SETTINGS[setting]
     label = f"{decoder} {policy} at T={decoding.temperature} top_k={decoding.top_k} top_p={decoding.top_p}"
     tree_walks = _count_tree_rejections(monkeypatch) if decoder == "tree" else []
-    run, close = _decoder(decoder, policy, pair, decoding, exports, node_head)
+    run, close = _decoder(decoder, policy, pair, decoding, exports[setting], node_head)
     try:
         counts: dict[tuple, dict] = {}
         draws = rejections = 0

@@ -201,13 +201,14 @@ class SpeculativeDecoder:
         self.compile = compile
         self.max_cache_len = max_cache_len
         self.last_state: dict[str, Any] | None = None  # caches + sequence of the last run (tests inspect it)
-        label_t = policy.config.get("decoding", {}).get("temperature") if policy.config else None
-        if label_t is not None and float(label_t) != self.decoding.temperature:
+        label_t = policy.tuned_temperature(self.decoding)
+        if label_t is not None and label_t != self.decoding.temperature:
             import warnings
 
             warnings.warn(
-                f"policy {policy.label} was trained on labels made at temperature {label_t}, decoding runs at "
-                f"{self.decoding.temperature}: its scores may be miscalibrated (decoding stays lossless)",
+                f"policy {policy.label} was tuned on data made at temperature {label_t:g}, decoding runs at "
+                f"{self.decoding.temperature:g}: its thresholds may not fit (decoding stays lossless; "
+                "`specstop export --also-tuned` carries a policy tuned at this temperature)",
                 stacklevel=2,
             )
 

@@ -35,6 +35,11 @@ class ExportSettings:
     policy: str | None = setting(None, flags=("--policy",))
     """Which tuned policy to export; null = the tuned file's 'best'; tree_opt: the tuned token tree
     (tuned.json 'tree_policies')."""
+    also_tuned: list[str] = setting(default_factory=list, flags=("--also-tuned",), repeatable=True, metavar="TUNED")
+    """The same policy tuned on data at another decoding setting (repeatable: `specstop tune` on a dataset
+    made at T = 0.7, 1.0, ...; a learned policy with the same --checkpoint). The export carries each
+    setting's threshold, SL_max or K, and decoders use the one for the request's temperature, top-k and
+    top-p (specstop.export.by_decoding)."""
     node_head: str | None = setting(None, flags=("--node-head",), metavar="CKPT")
     """Tree policies of the form tree:N only: export this tree_node_mlp checkpoint to steer the tree."""
     out: str | None = setting(None, flags=("--out",), required=True)
@@ -130,11 +135,20 @@ def _run(args: ExportSettings, engines: list[str]) -> int:
         allow_missing_pair=args.allow_missing_pair,
         overwrite=args.overwrite,
         node_head=args.node_head,
+        also_tuned=args.also_tuned,
     )
     check = config.get("export_check")
     if check:
         print(f"export check: max abs diff {check['max_abs_diff']:.3g} on {check['batch']} inputs (limit 1e-6)")
     print(f"exported {config['name']} ({json.dumps(config['policy']['kind'])}) to {args.out}")
+    if config.get("by_decoding"):
+        from specstop.export.by_decoding import describe
+        from specstop.policy import PolicySpec
+
+        for entry in config["by_decoding"]:
+            spec = PolicySpec.from_dict(entry["policy"])
+            cap = "" if spec.kind in ("static", "predictor") else f" (SL_max {spec.sl_max})"
+            print(f"  at {describe(entry['decoding'])}: {spec.label}{cap}")
     if config.get("tree"):
         print(f"  token tree {config['tree']['policy']}{' + node head' if config['tree'].get('node_head') else ''}: "
               f"specstop decode --policy {args.out} runs the tree decoder")

@@ -159,6 +159,7 @@ def export_policy(
     overwrite: bool = False,
     tree: str | None = None,
     node_head: StoppingPredictor | None = None,
+    by_decoding: list[dict] | None = None,
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
@@ -180,6 +181,8 @@ def export_policy(
         tree: a token-tree policy (``mcsd:...`` / ``tree:N,W,D``): ``specstop decode --policy OUT`` then
             runs the tree decoder; ``spec`` stays the chain policy chain-only consumers use.
         node_head: a ``tree_node_mlp`` predictor steering a dynamic ``tree`` (its weights are exported).
+        by_decoding: the policy per decoding setting (:mod:`specstop.export.by_decoding`), ``spec``'s own
+            setting among them.
 
     Raises:
         ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
@@ -212,6 +215,16 @@ def export_policy(
         spec, predictor, name=name, pair=pair, decoding=decoding, cost_model=cost_model, validation=validation,
         label=label, source=source,
     )
+    if by_decoding is not None:
+        from specstop.export.by_decoding import check_entries, setting_of
+
+        try:
+            check_entries(by_decoding, spec, "by_decoding")
+        except UserError as err:
+            raise ExportError(str(err)) from None
+        if not any(setting_of(e["decoding"]) == setting_of(decoding or {}) for e in by_decoding):
+            raise ExportError("by_decoding must hold the export's own decoding setting (its dataset's)")
+        config["by_decoding"] = by_decoding
     if tree is not None:
         config["tree"] = {"policy": tree, "node_head": None if node_head is None else {
             "family": node_head.family, "config": node_head.config_dict(), "weights": NODE_HEAD_NAME,
@@ -362,8 +375,12 @@ def export_from_files(
     allow_missing_pair: bool = False,
     overwrite: bool = False,
     node_head: str | Path | None = None,
+    also_tuned: list[str | Path] | None = None,
 ) -> dict:
     """The CLI's work: pick a policy from ``tuned``, load its checkpoint, export.
+
+    ``also_tuned``: tuned files of the same policy on data at other decoding settings (temperature,
+    top-k, top-p); the export carries each as a ``by_decoding`` entry (:mod:`specstop.export.by_decoding`).
 
     A tuned token-tree policy (``tuned["tree_policies"]``, e.g. ``--policy tree_opt``) is exported with
     the tuned ``static_opt`` chain policy as its ``policy`` (for chain-only consumers) and the tree in
@@ -379,6 +396,9 @@ def export_from_files(
         raise ExportError(f"--node-head steers token trees; policy {name!r} is not a tuned tree policy (have: "
                           f"{sorted(trees) or 'none'}) - drop --node-head")
     if name in trees and name not in t["policies"]:
+        if also_tuned:
+            raise ExportError(f"--also-tuned carries a chain policy's settings per decoding; {name!r} is a token tree "
+                              "- drop --also-tuned")
         return _export_tree(out, t, name, tuned=tuned, node_head=node_head, dataset=dataset,
                             allow_missing_pair=allow_missing_pair, overwrite=overwrite)
     if name not in t["policies"]:
@@ -419,13 +439,23 @@ def export_from_files(
         )
     except UserError as err:
         raise ExportError(str(err)) from None
+    decoding = _decoding_info(meta, manifest)
+    by_decoding = None
+    if also_tuned:
+        if not decoding:
+            raise ExportError(f"--also-tuned: no decoding setting is recorded for {tuned}'s own policy (its dataset "
+                              f"{ds} has no manifest): pass --data DIR, the dataset it was tuned on")
+        base = {"decoding": decoding, "policy": spec.to_dict(), "speedup": (entry.get("validation") or {}).get("speedup"),
+                "source": {"tuned": str(tuned), "dataset": str(ds) if ds else None}}
+        by_decoding = [base, *(_setting_entry(path, name, spec, checkpoint, manifest) for path in also_tuned)]
     return export_policy(
         out,
         spec=spec,
         predictor=predictor,
         name=name,
         pair=_pair_info(meta, manifest),
-        decoding=_decoding_info(meta, manifest),
+        decoding=decoding,
+        by_decoding=by_decoding,
         cost_model=t.get("cost_model"),
         validation=entry.get("validation"),
         label=meta.get("label"),
@@ -433,6 +463,59 @@ def export_from_files(
         allow_missing_pair=allow_missing_pair,
         overwrite=overwrite,
     )
+
+
+def _setting_entry(path: str | Path, name: str, spec: PolicySpec, checkpoint, manifest: dict | None) -> dict:
+    """The ``by_decoding`` entry of policy ``name`` in tuned file ``path`` (another decoding setting), checked
+    against the exported one: the same kind of policy, the same predictor checkpoint, the same pair."""
+    from specstop.export.by_decoding import describe
+
+    t = read_tuned(path)
+    if name not in t["policies"]:
+        raise ExportError(f"--also-tuned {path} has no policy {name!r} (have: {', '.join(sorted(t['policies']))}): tune "
+                          "the same policy on that data")
+    entry = t["policies"][name]
+    try:
+        other = PolicySpec.from_dict(entry.get("spec") if isinstance(entry, dict) else entry)
+    except UserError as err:
+        raise ExportError(f"--also-tuned {path}: policy {name!r}: {err}") from None
+    if (other.kind, other.family) != (spec.kind, spec.family):
+        raise ExportError(f"--also-tuned {path}: {name} is {other.label} there but {spec.label} here: give a tuned "
+                          "file of the same policy")
+    if spec.kind == "predictor":
+        theirs = (t.get("checkpoints") or {}).get(name)
+        if not theirs or not _same_file(theirs, checkpoint):
+            raise ExportError(f"--also-tuned {path} tuned {name} with checkpoint {theirs}, not {checkpoint}: its "
+                              f"thresholds fit another predictor's scores. Tune this one on that data: specstop tune "
+                              f"--data DATA --checkpoint {name}={checkpoint} ...")
+    ds = t.get("dataset")
+    other_manifest = _read_manifest(ds)
+    gen = (other_manifest or {}).get("generation")
+    if not gen:
+        raise ExportError(f"--also-tuned {path}: its dataset {ds} has no manifest with the decoding setting it was "
+                          "made at")
+    try:
+        check_same_pair((other_manifest or {}).get("pair"), (manifest or {}).get("pair"),
+                        what=f"--also-tuned {path} was tuned on data of another model pair",
+                        fix="tune the policy on data of this export's pair")
+    except UserError as err:
+        raise ExportError(str(err)) from None
+    decoding = {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
+    log.info("--also-tuned %s: %s at %s", path, other.label, describe(decoding))
+    return {"decoding": decoding, "policy": other.to_dict(), "speedup": (entry.get("validation") or {}).get("speedup"),
+            "source": {"tuned": str(path), "dataset": str(ds) if ds else None}}
+
+
+def _same_file(a: str | Path, b: str | Path | None) -> bool:
+    """The same file: the same path, or the same bytes (a checkpoint copied elsewhere)."""
+    import filecmp
+
+    if b is None:
+        return False
+    a, b = Path(a), Path(b)
+    if a.resolve() == b.resolve():
+        return True
+    return a.is_file() and b.is_file() and filecmp.cmp(a, b, shallow=False)
 
 
 def _export_tree(out, t: dict, name: str, *, tuned, node_head, dataset, allow_missing_pair: bool,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specstop.errors import MissingInputError, UserError
+from specstop.export.by_decoding import check_entries
 from specstop.export.folder import CONFIG_NAME, EXPORT_FORMAT, SCHEMA_VERSION, WEIGHTS_NAME
 from specstop.export.hub import cache_blobs_folder, resolve_folder
 from specstop.models import FeatureSpec, StoppingPredictor, build_predictor
@@ -112,7 +113,7 @@ def export_draft_quant(folder: str | Path) -> str | None:
 # newer writer, and a reader that ignored it could run with settings the file does not mean.
 CONFIG_KEYS = frozenset({
     "format", "model_type", "schema_version", "specstop_version", "created", "name", "policy", "predictor",
-    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree",
+    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree", "by_decoding",
 })
 PREDICTOR_KEYS = frozenset({"family", "config", "label", "num_parameters", "weights", "dtype"})
 
@@ -225,6 +226,8 @@ def read_export(
         spec = PolicySpec.from_dict(config.get("policy"))
     except UserError as err:
         raise UserError(f"{cfg_path}: policy: {err}") from None
+    if config.get("by_decoding") is not None:
+        check_entries(config["by_decoding"], spec, str(cfg_path))
     predictor = None
     pred_cfg = config.get("predictor")
     if pred_cfg is not None:

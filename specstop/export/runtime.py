@@ -106,6 +106,8 @@ class StoppingPolicy(
         decoding: the decoding transform used to turn ``draft_logits`` into q for features; set by
             the decoder with :meth:`configure` (default: greedy).
         vocab_size: the shared tokenizer vocabulary (logits beyond it are dropped).
+        setting: the decoding setting ``spec`` was tuned at, when the export carries one per setting
+            (``by_decoding``: :meth:`configure` switches ``spec`` to the request's); else None.
     """
 
     def __init__(
@@ -139,6 +141,12 @@ class StoppingPolicy(
         # logit rows exactly as the dataset did; decoders still set it with configure().
         vocab = ((self.config.get("pair") or {}).get("vocab") or {}).get("shared_vocab_size")
         self.vocab_size: int | None = int(vocab) if vocab else None
+        self._by_decoding = []
+        if self.config.get("by_decoding") is not None:
+            from specstop.export.by_decoding import check_entries
+
+            self._by_decoding = check_entries(self.config["by_decoding"], spec, "by_decoding")
+        self.setting: dict | None = self.config.get("decoding") if self._by_decoding else None
         self._round = make_round_policy(spec)
         self._j = 0
         self._batch: list[RoundPolicy] = []
@@ -250,16 +258,45 @@ class StoppingPolicy(
 
     # ------------------------------------------------------------------ configuration
     def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:
-        """Tell the policy how the decoder turns logits into q (features must match training)."""
+        """Tell the policy how the decoder turns logits into q (features must match training). An export
+        tuned per decoding setting switches to the setting that serves ``decoding``
+        (:func:`specstop.export.by_decoding.pick`)."""
         if decoding is not None:
             self.decoding = decoding
+            if self._by_decoding:
+                from specstop.export.by_decoding import pick
+
+                entry, spec = self._by_decoding[pick([e for e, _ in self._by_decoding], decoding)]
+                if spec != self.spec:
+                    self.spec = spec
+                    self._round = make_round_policy(spec)
+                self.setting = entry["decoding"]
         if vocab_size is not None:
             self.vocab_size = vocab_size
         return self
 
+    def tuned_temperature(self, decoding: DecodingConfig) -> float | None:
+        """The temperature of the data this policy's numbers were tuned on for requests at ``decoding``
+        (the setting :meth:`configure` picks from ``by_decoding``, else the export's labels'); None for a
+        rule built without an export."""
+        setting = (self.config or {}).get("decoding")
+        if self._by_decoding:
+            from specstop.export.by_decoding import pick
+
+            setting = self._by_decoding[pick([e for e, _ in self._by_decoding], decoding)][0]["decoding"]
+        t = (setting or {}).get("temperature")
+        return None if t is None else float(t)
+
     @property
     def label(self) -> str:
-        return self.config.get("name") or self.spec.label
+        """The export's name (or the rule's label); with a policy per decoding setting, the one in use
+        (``disco_ffn @ T=1``)."""
+        name = self.config.get("name") or self.spec.label
+        if not self._by_decoding:
+            return name
+        from specstop.export.by_decoding import describe
+
+        return f"{name} @ {describe(self.setting)}"
 
     @property
     def reads_hidden(self) -> bool:

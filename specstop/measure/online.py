@@ -9,9 +9,13 @@ Method (``pipeline``'s online stage and ``benchmarks/online_speedup.py`` both ru
   adds time: one repeat slowed 5-10x by a background job must not move the result), per prompt the
   ratio to the baseline
   (target alone through our decoder's own loop, ``max_draft=0``: same prefill, same cache code),
-  (sampled runs: ratio of seconds *per token*, since each run emits its own sample of its own
-  length) and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
+  and the summary is the **median of per-prompt ratios** with a bootstrap 90% interval over
   prompts (resampling prompts, 2000 times);
+* sampled runs (``seeds=True``): repeat r decodes with seed r in every method, so each repeat is another
+  sample of every prompt's response. Per prompt the time is pooled over the seeds - seconds per token =
+  total seconds / total tokens - since the fastest repeat would be the luckiest sample; the spread over
+  seeds (each seed's median over prompts) is reported beside it, and so are tokens per round against the
+  sampled replay's (the acceptance part of a prediction, apart from its prices);
 * ``decode`` ratios leave out each method's prompt prefill (both models' prefill for ours). The
   replay and the cost model predict exactly that phase, so predictions are compared with it:
   each run's own K histogram priced by the cost model (the same statistic: median of per-prompt
@@ -73,14 +77,6 @@ class Run:
     def decode_seconds(self) -> float | None:
         return None if self.prefill is None else self.seconds - self.prefill
 
-    @property
-    def seconds_per_token(self) -> float:
-        return self.seconds / max(len(self.tokens), 1)
-
-    @property
-    def decode_seconds_per_token(self) -> float | None:
-        return None if self.prefill is None else self.decode_seconds / max(len(self.tokens), 1)
-
 
 @dataclass
 class Method:
@@ -97,6 +93,7 @@ class Method:
     same_prompts: Any = None  # a specstop.eval.same_prompts.SamePromptsReplay for these prompts and budget
     cost: Any = None
     priced: bool = True
+    seeded: bool = False  # fn takes seed=: sampled measurements decode repeat r with seed r
 
 
 @dataclass
@@ -116,7 +113,7 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
     """A :class:`Method` running our :class:`~specstop.decode.chain.SpeculativeDecoder` (``cost``, ``priced``:
     see :class:`Method`)."""
 
-    def fn(ids: list[int], max_new: int) -> Run:
+    def fn(ids: list[int], max_new: int, seed: int = seed) -> Run:
         res = decoder.generate(ids, max_new, seed=seed, max_draft=max_draft)
         hist = np.bincount(np.asarray(res.round_lengths, dtype=np.int64), minlength=1).tolist()
         t = res.timings
@@ -126,7 +123,7 @@ def decoder_method(name: str, decoder, *, spec=None, max_draft: int | None = Non
             round_seconds=float(sum(t["round_seconds"])),
         )
 
-    return Method(name, fn, kind, spec, replay_speedup, same_prompts, cost, priced)
+    return Method(name, fn, kind, spec, replay_speedup, same_prompts, cost, priced, seeded=True)
 
 
 def tree_round_seconds(cost, round_nodes: list[int], draft_forwards: int,
@@ -155,7 +152,7 @@ def tree_method(name: str, decoder, *, cost=None, seed: int = 0) -> Method:
     """A :class:`Method` running a :class:`~specstop.decode.TreeDecoder`; with ``cost`` each run carries
     the cost model's price of its rounds (:func:`tree_round_seconds`)."""
 
-    def fn(ids: list[int], max_new: int) -> Run:
+    def fn(ids: list[int], max_new: int, seed: int = seed) -> Run:
         res = decoder.generate(ids, max_new, seed=seed)
         t = res.timings
         priced = (None if cost is None
@@ -165,7 +162,7 @@ def tree_method(name: str, decoder, *, cost=None, seed: int = 0) -> Method:
                    rounds=len(res.round_lengths), phases={k: v for k, v in t.items() if isinstance(v, float)},
                    round_seconds=float(sum(t["round_seconds"])), priced=priced)
 
-    return Method(name, fn)
+    return Method(name, fn, seeded=True)
 
 
 def _hf_generate(pair, ids: list[int], max_new: int, *, assistant=None, policy=None, target=None) -> Run:
@@ -253,8 +250,12 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 
 def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, repeats: int = 2,
-            warmup_tokens: int = 8, seed: int = 0, progress: bool = True) -> Measurement:
-    """Run every method on every prompt ``repeats`` times, interleaved (see module docstring)."""
+            warmup_tokens: int = 8, seed: int = 0, progress: bool = True, seeds: bool = False) -> Measurement:
+    """Run every method on every prompt ``repeats`` times, interleaved (see module docstring).
+
+    ``seeds``: sampled decoding; repeat r decodes with seed r in every seeded method (common random
+    numbers across methods), so the repeats are samples, not copies of one sample.
+    """
     from tqdm.auto import tqdm
 
     if not prompts:
@@ -268,12 +269,13 @@ def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: 
                        {m.name: [[] for _ in prompts] for m in methods})
     rng = random.Random(seed)
     bar = tqdm(total=repeats * len(prompts) * len(methods), unit="run", desc="online check", disable=not progress)
-    for _ in range(repeats):
+    for r in range(repeats):
         for i, ids in enumerate(prompts):
             order = list(methods)
             rng.shuffle(order)
             for m in order:
-                meas.runs[m.name][i].append(m.fn(ids, max_new_tokens))
+                kw = {"seed": r} if seeds and m.seeded else {}
+                meas.runs[m.name][i].append(m.fn(ids, max_new_tokens, **kw))
                 bar.update(1)
     bar.close()
     meas.seconds = time.perf_counter() - t0
@@ -300,34 +302,65 @@ def _per_prompt_fastest(runs: list[list[Run]], attr: str) -> list[float | None]:
     return out
 
 
+def _per_prompt_pooled(runs: list[list[Run]], attr: str) -> list[float | None]:
+    """Per prompt, ``attr`` seconds summed over its repeats per token they emitted (sampled runs: every
+    seed's sample counts, the lucky and the unlucky; None when a run cannot report it)."""
+    out = []
+    for rs in runs:
+        vals = [getattr(r, attr) for r in rs]
+        out.append(None if any(v is None for v in vals) else sum(vals) / max(sum(len(r.tokens) for r in rs), 1))
+    return out
+
+
+def _per_seed(base: list[list[Run]], runs: list[list[Run]], attr: str) -> list[float] | None:
+    """Per repeat (seed), the median over prompts of baseline / method seconds per token (None when a run
+    cannot report ``attr``)."""
+    out = []
+    for r in range(min(len(rs) for rs in runs)):
+        ratios = []
+        for b_rs, m_rs in zip(base, runs):
+            b, m = getattr(b_rs[r], attr), getattr(m_rs[r], attr)
+            if b is None or m is None:
+                return None
+            ratios.append((b / max(len(b_rs[r].tokens), 1)) / (m / max(len(m_rs[r].tokens), 1)))
+        out.append(float(np.median(ratios)))
+    return out
+
+
 def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=None,
               tolerance: float = FLAG_TOLERANCE, flips: list[dict] | None = None, sampled: bool = False,
               reference: str | None = None) -> dict:
     """Per-method speedups (median of per-prompt ratios, bootstrap interval), predictions and flags.
 
     ``sampled``: the runs are speculative *sampling* (their outputs are samples, not the target's
-    greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None).
+    greedy output), so no token-for-token comparison is made (``greedy_diffs`` is None); per prompt
+    the repeats (seeds) are pooled (:func:`_per_prompt_pooled`) and each seed's speedup is reported
+    (``decode_speedup_seeds``: median, min, max over seeds).
     ``reference``: a method every other is also compared with *paired per prompt* (e.g. Static
     SL-opt): the median over prompts of reference decode time / method decode time, with its bootstrap
     interval, beside the same statistic of the same-prompts replay. Two methods' intervals against
     the target overlap whenever prompts differ in difficulty; the paired ratio cancels that."""
     base = meas.runs[baseline]
     # Greedy runs emit the same tokens, so whole-call seconds compare; sampled runs emit samples of
-    # different lengths (one hits EOS after 10 tokens, another runs to the cap): time per token.
-    total_attr, decode_attr = ("seconds_per_token", "decode_seconds_per_token") if sampled else (
-        "seconds", "decode_seconds")
-    base_total = _per_prompt_fastest(base, total_attr)
-    base_decode = _per_prompt_fastest(base, decode_attr)
+    # different lengths (one hits EOS after 10 tokens, another runs to the cap): time per token, pooled
+    # over the seeds.
+    total_attr, decode_attr = "seconds", "decode_seconds"
+    per_prompt = _per_prompt_pooled if sampled else _per_prompt_fastest
+    base_total = per_prompt(base, total_attr)
+    base_decode = per_prompt(base, decode_attr)
     base_tokens = [rs[0].tokens for rs in base]
     rows = {}
     for m in methods:
         runs = meas.runs[m.name]
-        total = _per_prompt_fastest(runs, total_attr)
-        decode = _per_prompt_fastest(runs, decode_attr)
+        total = per_prompt(runs, total_attr)
+        decode = per_prompt(runs, decode_attr)
         r_total = [b / t for b, t in zip(base_total, total)]
         row: dict[str, Any] = {"kind": m.kind, "speedup": bootstrap_median(r_total)}
         if all(d is not None for d in decode) and all(b is not None for b in base_decode):
             row["decode_speedup"] = bootstrap_median([b / d for b, d in zip(base_decode, decode)])
+        if sampled and m.kind != "baseline":
+            seeds = _per_seed(base, runs, "decode_seconds") or _per_seed(base, runs, "seconds")
+            row["decode_speedup_seeds"] = [float(np.median(seeds)), min(seeds), max(seeds)]
         toks = [len(rs[0].tokens) for rs in runs]
         row["tokens"] = int(sum(toks))
         row["tok_s"] = statistics.median(len(r.tokens) / r.seconds for rs in runs for r in rs)
@@ -371,6 +404,7 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             from specstop.eval.same_prompts import trim
 
             row["replay_same_prompts"] = m.same_prompts.speedup
+            row["replay_tokens_per_round"] = m.same_prompts.tokens_per_round
             if m.same_prompts.k_hists is not None:
                 # Greedy + lossless: the decoder's rounds on a prompt are the replay's, K for K.
                 row["rounds_as_replayed"] = sum(
@@ -385,28 +419,31 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             if p and meas_dec and abs(meas_dec / p - 1.0) > tolerance:
                 flags.append(f"measured {meas_dec:.2f}x vs {key.replace('_', ' ')} {p:.2f}x "
                              f"({100 * (meas_dec / p - 1):+.0f}%)")
+        tpr, tpr_replay = row.get("tokens_per_round"), row.get("replay_tokens_per_round")
+        if tpr and tpr_replay and abs(tpr / tpr_replay - 1.0) > tolerance:
+            flags.append(f"tokens/round {tpr:.2f} vs replay {tpr_replay:.2f} ({100 * (tpr / tpr_replay - 1):+.0f}%)")
         row["flags"] = flags
         rows[m.name] = row
     if reference is not None:
-        _paired_with_reference(meas, methods, rows, reference, decode_attr, tolerance)
+        _paired_with_reference(meas, methods, rows, reference, lambda runs: per_prompt(runs, decode_attr), tolerance)
     return {"baseline": baseline, "reference": reference, "prompts": meas.prompts, "repeats": meas.repeats,
             "max_new_tokens": meas.max_new_tokens, "seconds": meas.seconds, "tolerance": tolerance,
             "ci": CI, "rows": rows, "flips": flips or [], "sampled": sampled,
             "all_identical": None if sampled else all(r["greedy_diffs"] == 0 for r in rows.values())}
 
 
-def _paired_with_reference(meas: Measurement, methods: list[Method], rows: dict, reference: str, attr: str,
-                           tolerance: float) -> None:
+def _paired_with_reference(meas: Measurement, methods: list[Method], rows: dict, reference: str,
+                           per_prompt: Callable[[list[list[Run]]], list[float | None]], tolerance: float) -> None:
     """Adds ``vs_reference`` ([median, lo, hi] of per-prompt reference / method decode time) and, where
     both have a same-prompts replay, ``vs_reference_predicted`` (the replay's per-prompt ratio, median)."""
     if reference not in meas.runs:
         raise ValueError(f"reference method {reference!r} is not among the measured ones: {sorted(meas.runs)}")
-    ref_t = _per_prompt_fastest(meas.runs[reference], attr)
+    ref_t = per_prompt(meas.runs[reference])
     ref_m = next(m for m in methods if m.name == reference)
     for m in methods:
         if m.name == reference or m.kind == "baseline":
             continue
-        t = _per_prompt_fastest(meas.runs[m.name], attr)
+        t = per_prompt(meas.runs[m.name])
         if any(v is None for v in t + ref_t):
             continue
         row = rows[m.name]
@@ -447,13 +484,14 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
     lines = [
         f"Measured on {summary['prompts']} prompts x {summary['repeats']} repeats x {summary['max_new_tokens']} "
         f"tokens, methods interleaved per prompt after a warm-up; speedup = median over prompts of "
-        + ("(baseline s/token / method s/token: sampled outputs differ in length)" if summary.get("sampled")
+        + ("(baseline s/token / method s/token, pooled over the repeats: each repeat samples with its own "
+           "seed; seeds = the range of each seed's decode speedup)" if summary.get("sampled")
            else "(baseline seconds / method seconds)")
         + f", [{int(100 * summary['ci'])}% bootstrap interval]; baseline: "
         f"`{summary['baseline']}`. decode = prompt prefill left out (what the replay predicts).",
         "",
         "| method | speedup | decode speedup | predicted (cost model, these runs) | replay (these prompts) "
-        "| rounds as replayed | replay (test split) | tokens/round | s/round measured | s/round K*t_draft+t_target(K) "
+        "| rounds as replayed | replay (test split) | tokens/round (replay) | s/round measured | s/round K*t_draft+t_target(K) "
         "| greedy diffs | flag |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -463,10 +501,13 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
         lines.append(
             f"| {name} | {sp[0]:.2f}x [{sp[1]:.2f}, {sp[2]:.2f}] | "
             + (f"{dec[0]:.2f}x [{dec[1]:.2f}, {dec[2]:.2f}]" if dec else "-")
+            + (f"; seeds {r['decode_speedup_seeds'][1]:.2f}-{r['decode_speedup_seeds'][2]:.2f}"
+               if r.get("decode_speedup_seeds") else "")
             + f" | {_x(r.get('predicted_decode_speedup'))} | {_x(r.get('replay_same_prompts'))} | "
             + ("-" if r.get("rounds_as_replayed") is None else f"{r['rounds_as_replayed']}/{summary['prompts']}")
             + f" | {_x(r.get('replay_speedup'))} | "
             + (f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-")
+            + (f" ({r['replay_tokens_per_round']:.2f})" if r.get("replay_tokens_per_round") else "")
             + f" | {_s(r.get('round_seconds'))} | {_s(r.get('predicted_round_seconds'))} | "
             + ("sampled" if r["greedy_diffs"] is None else str(r["greedy_diffs"])) + " | "
             + ("; ".join(r["flags"]) if r["flags"] else "")

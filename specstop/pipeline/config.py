@@ -54,6 +54,18 @@ class FamilySpec:
         return [*self.args, *settings_flags(self.train)]
 
 
+DECODING_KEYS = frozenset({"temperature", "top_k", "top_p"})
+
+
+def decoding_slug(generation: dict) -> str:
+    """A folder-safe name of a decoding setting: ``greedy``, ``t1``, ``t0.7_p0.9``, ``t0.7_k50``."""
+    t, k, p = (float(generation.get("temperature") or 0.0), int(generation.get("top_k") or 0),
+               float(generation.get("top_p") or 1.0))
+    if not t:
+        return "greedy"
+    return f"t{t:g}" + (f"_k{k}" if k else "") + (f"_p{p:g}" if p < 1.0 else "")
+
+
 @dataclass
 class PipelineConfig(PairSettings):
     """A pipeline run (YAML keys mirror these settings; unknown keys are an error)."""
@@ -65,6 +77,11 @@ class PipelineConfig(PairSettings):
     data: dict[str, Any] = field(default_factory=dict)
     """The dataset: a `specstop generate` config (configs/data/*.yaml keys) without pair/out, checked
     as one when the file is read."""
+    also_decoding: list[dict[str, Any]] = field(default_factory=list)
+    """Other decoding settings to tune the policies for, e.g. [{temperature: 1.0}, {temperature: 0.7, top_p:
+    0.9}]: each gets its own dataset (the data section with these generation keys), the run's predictors
+    tuned on it, and the export carries each setting's numbers, used for requests at that setting
+    (specstop.export.by_decoding)."""
     test_data: dict[str, Any] | None = None
     """Optional second generate config evaluated for transfer (e.g. HumanEval)."""
     families: list[FamilySpec] = field(default_factory=list)
@@ -93,7 +110,7 @@ class PipelineConfig(PairSettings):
     """Test prompts the online check decodes (real decoding, interleaved and repeated:
     specstop.measure.online); 0 disables it."""
     online_repeats: int = 2
-    """Repeats of the online check."""
+    """Repeats of the online check (sampled data: each repeat decodes with its own seed)."""
     online_max_new_tokens: int | None = None
     """Tokens per prompt in the online check; null = the dataset's."""
     online_hf_default: bool = True
@@ -167,8 +184,19 @@ class PipelineConfig(PairSettings):
             if fam.name in seen:
                 raise UserError(f"{source}: family {fam.name!r} is listed twice; give each family once")
             seen.add(fam.name)
-        for key in ("data", "test_data"):
-            section = getattr(self, key)
+        sections = [("data", self.data), ("test_data", self.test_data)]
+        seen_settings = {decoding_slug((self.data or {}).get("generation") or {})}
+        for i, entry in enumerate(self.also_decoding):
+            where = f"also_decoding[{i}]"
+            if not isinstance(entry, dict) or not entry or set(entry) - DECODING_KEYS:
+                raise UserError(f"{source}: {where} must map some of {', '.join(sorted(DECODING_KEYS))} to values, "
+                                f"e.g. {{temperature: 1.0}}; got {entry!r}")
+            sections.append((where, self.decoding_data(entry)))
+            slug = decoding_slug(entry)
+            if slug in seen_settings:
+                raise UserError(f"{source}: {where} ({slug}) repeats the data section's setting or another entry's")
+            seen_settings.add(slug)
+        for key, section in sections:
             if section is None:
                 continue
             conf = {k: v for k, v in section.items() if k not in ("pair", "draft", "target", "out")}
@@ -176,3 +204,12 @@ class PipelineConfig(PairSettings):
                 config_from_dict(conf).validate()
             except UserError as err:
                 raise UserError(f"{source}: section {key}: {err}") from None
+
+    def decoding_data(self, setting: dict) -> dict:
+        """The data section with ``setting``'s generation keys (an ``also_decoding`` entry's dataset); a
+        sampled setting leaves top-k / top-p off unless it names them."""
+        data = json.loads(json.dumps(self.data or {}))
+        gen = data.setdefault("generation", {})
+        gen.update({"top_k": 0, "top_p": 1.0})
+        gen.update(setting)
+        return data

@@ -55,7 +55,8 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     pair = load_named_pair(cfg.pair, draft=cfg.draft, target=cfg.target, dtype=cfg.dtype, device=cfg.device,
                            draft_quant=cfg.draft_quant)
     # Decode as the dataset describes: greedy, or sampled at its temperature / top-k / top-p (then the
-    # outputs are samples, so the token-for-token check against the target does not apply).
+    # outputs are samples, so the token-for-token check against the target does not apply, and each
+    # repeat samples with its own seed).
     decoding = DecodingConfig(temperature=float(gen.get("temperature") or 0.0), top_k=int(gen.get("top_k") or 0),
                               top_p=float(gen.get("top_p") or 1.0))
     greedy = decoding
@@ -73,7 +74,8 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
             policies[f"{name} ({spec.label})"] = (StoppingPolicy.from_spec(spec), name)
     same = {}
     if split is not None and same_prompts_apply(gen, max_new):
-        # The like-for-like prediction: the replay of exactly these prompts at this budget.
+        # The like-for-like prediction: the replay of exactly these prompts at this budget (sampled data:
+        # its realisations of the acceptance draws along each prompt's recorded sample).
         same = replay_policies(data_dir, split, prompt_names, max_new, {k: p for k, (p, _) in policies.items()}, cost)
     methods = [online.decoder_method("target", SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), greedy),
                                      max_draft=0, kind="baseline")]
@@ -82,7 +84,8 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
                                              replay_speedup=replay_of(tuned_name), same_prompts=same.get(label)))
     if cfg.online_hf_default and decoding.greedy:
         methods.append(online.hf_assisted_method("HF assisted (defaults)", pair))
-    meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats)
+    meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats,
+                          seeds=not decoding.greedy)
     flips = online.greedy_flips(pair, prompts, meas, "target") if decoding.greedy else []
     static = next((m.name for m in methods if m.name.startswith("static_opt")), None)
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips,

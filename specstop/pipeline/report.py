@@ -50,6 +50,25 @@ def family_metrics_table(train_metrics: dict) -> str:
     return "\n".join(lines)
 
 
+def by_decoding_table(export_dir: Path) -> str | None:
+    """The exported policy per decoding setting with the validation speedup its tune reported (None when
+    the export has one setting)."""
+    from specstop.export.by_decoding import describe
+    from specstop.policy import PolicySpec
+
+    path = Path(export_dir) / "config.json"
+    entries = (json.loads(path.read_text()).get("by_decoding") or []) if path.is_file() else []
+    if not entries:
+        return None
+    lines = ["| decoding | policy (SL_max) | validation speedup (replay) | tuned file |", "|---|---|---:|---|"]
+    for e in entries:
+        spec = PolicySpec.from_dict(e["policy"])
+        sp = e.get("speedup")
+        lines.append(f"| {describe(e['decoding'])} | {spec.label} ({spec.sl_max}) | "
+                     f"{'-' if sp is None else f'{sp:.3f}x'} | `{(e.get('source') or {}).get('tuned')}` |")
+    return "\n".join(lines)
+
+
 def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path, export_dir: Path,
                      train_metrics: dict, seconds: float) -> dict:
     run_dir = Path(cfg.run_dir)
@@ -70,6 +89,11 @@ def write_run_report(cfg, runner: StageRunner, eval_dir: Path, online_path: Path
     md = [f"# specstop pipeline report: {run_dir}", "", f"**{provenance_line(report)}**", "",
           "## Headline (replay, test split)", "", table, "",
           f"Full replay report: `{eval_dir / 'report.md'}`; export: `{export_dir}`.", ""]
+    settings = by_decoding_table(export_dir)
+    if settings:
+        md += ["## The exported policy per decoding setting", "",
+               "Decoders use the row for their request's setting (greedy: greedy; sampled: the nearest temperature).",
+               "", settings, ""]
     if online:
         md += [f"## Online check (real decoding, {'sampled' if online.get('sampled') else 'greedy'})", "",
                f"dtype: {(online.get('dtype') or {}).get('dtype')} ({(online.get('dtype') or {}).get('reason')}); "

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from specstop.errors import UserError
-from specstop.pipeline.config import PipelineConfig
+from specstop.pipeline.config import PipelineConfig, decoding_slug
 from specstop.pipeline.online_check import online_check
 from specstop.pipeline.report import write_run_report
 from specstop.pipeline.stages import StageRunner
@@ -114,6 +114,9 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
 
     data_dir = _generate_stage("data", cfg.data)
     eval_data = _generate_stage("test_data", cfg.test_data) if cfg.test_data else data_dir
+    # Each other decoding setting: its own dataset, its own tuned file (step 5), one export (step 7).
+    settings = {decoding_slug(setting): setting for setting in cfg.also_decoding}
+    setting_data = {slug: _generate_stage(f"data_{slug}", cfg.decoding_data(setting)) for slug, setting in settings.items()}
 
     # 3. train each family
     checkpoints: dict[str, str] = {}
@@ -165,13 +168,27 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         tune_argv.append("--force-cost")
     for name, ckpt in checkpoints.items():
         tune_argv += ["--checkpoint", f"{name}={ckpt}"]
+    trains = [f"train_{f.name}" for f in cfg.families]
     runner.run(
         "tune",
         {"args": tune_argv[1:]},
-        ["data", *[f"train_{f.name}" for f in cfg.families], "calibrate"],
+        ["data", *trains, "calibrate"],
         lambda: (_cli(tune_argv) or {"tuned": str(tuned)}),
         outputs_exist=lambda o: Path(o.get("tuned", "")).is_file(),
     )
+    setting_tuned = {}
+    for slug, sdata in setting_data.items():  # the same predictors and costs, tuned on that setting's data
+        out = run_dir / f"tuned_{slug}.json"
+        argv = [tune_argv[0], "--data", str(sdata), *tune_argv[3:]]
+        argv[argv.index("--out") + 1] = str(out)
+        runner.run(
+            f"tune_{slug}",
+            {"args": argv[1:]},
+            [f"data_{slug}", *trains, "calibrate"],
+            lambda argv=argv, out=out: (_cli(argv) or {"tuned": str(out)}),
+            outputs_exist=lambda o: Path(o.get("tuned", "")).is_file(),
+        )
+        setting_tuned[slug] = out
 
     # 6. evaluate on the test split (of the transfer set when given)
     eval_dir = run_dir / "eval"
@@ -196,10 +213,12 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     export_argv = ["export", "--tuned", str(tuned), "--policy", str(policy_name), "--out", str(export_dir), "--overwrite"]
     if family and family in checkpoints:
         export_argv += ["--checkpoint", checkpoints[family]]
+    for out in setting_tuned.values():
+        export_argv += ["--also-tuned", str(out)]
     runner.run(
         "export",
         {"args": export_argv[1:]},
-        ["tune"],
+        ["tune", *[f"tune_{slug}" for slug in setting_tuned]],
         lambda: (_cli(export_argv) or {"export": str(export_dir)}),
         outputs_exist=lambda o: (Path(o.get("export", "")) / "config.json").is_file(),
     )

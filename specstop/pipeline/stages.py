@@ -1,10 +1,13 @@
 """Resumable stages: run a step only when its inputs or configuration changed.
 
-Each stage has a fingerprint: a hash of its own configuration and of the fingerprints of the
-stages it reads. ``<run_dir>/stages/<name>.json`` records the fingerprint and outputs of the last
-successful run; a rerun with the same fingerprint whose outputs still exist is reused. A stage
-that was interrupted left no record (records are written atomically at the end), so it runs again
-- and the stages themselves resume their own partial work (data generation keeps finished shards).
+Each stage has a fingerprint: a hash of its own configuration and of the outputs of the stages it
+reads - each stage's ``output_id``, new whenever the stage runs, so a stage that ran again (a cost
+table re-measured after it failed its check, a dataset regenerated after its record was lost) makes
+every stage reading it run again, even with an unchanged configuration. ``<run_dir>/stages/<name>.json``
+records the fingerprint, output id and outputs of the last successful run; a rerun with the same
+fingerprint whose outputs still exist is reused. A stage that was interrupted left no record (records
+are written atomically at the end), so it runs again - and the stages themselves resume their own
+partial work (data generation keeps finished shards).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class StageResult:
     outputs: dict = field(default_factory=dict)
     note: str = ""
     peak_rss: int | None = None  # bytes, sampled while the stage ran (None when reused)
+    output_id: str = ""  # what readers of this stage fingerprint: new each time the stage runs
 
 
 class StageRunner:
@@ -77,7 +81,7 @@ class StageRunner:
         ups = {}
         for u in upstream:
             rec = next((r for r in self.results if r.name == u), None)
-            ups[u] = rec.fingerprint if rec else None
+            ups[u] = (rec.output_id or rec.fingerprint) if rec else None
         fp = fingerprint({"config": config, "upstream": ups})
         prev = self.previous(name)
         if (
@@ -87,7 +91,9 @@ class StageRunner:
             and prev.get("status") == "done"
             and (outputs_exist is None or outputs_exist(prev.get("outputs", {})))
         ):
-            res = StageResult(name, "reused", 0.0, fp, prev.get("outputs", {}), "inputs and config unchanged")
+            # Records from before output ids stand for their fingerprint (an old run stays reusable).
+            res = StageResult(name, "reused", 0.0, fp, prev.get("outputs", {}), "inputs and config unchanged",
+                              output_id=prev.get("output_id") or fp)
             log.info("stage %-10s reused (inputs and config unchanged)", name)
             self.results.append(res)
             return res
@@ -108,12 +114,14 @@ class StageRunner:
                 err.args = (f"pipeline stage {name!r}: {err.args[0]}", *err.args[1:])
             raise
         dt = time.perf_counter() - t0
+        finished = time.time()
+        output_id = fingerprint({"fingerprint": fp, "finished": finished, "outputs": outputs})
         atomic_write_json(
             self._record_path(name),
-            {"name": name, "fingerprint": fp, "status": "done", "seconds": dt, "outputs": outputs,
-             "peak_rss": mem.peak or None, "finished": time.time()},
+            {"name": name, "fingerprint": fp, "output_id": output_id, "status": "done", "seconds": dt,
+             "outputs": outputs, "peak_rss": mem.peak or None, "finished": finished},
         )
-        res = StageResult(name, "ran", dt, fp, outputs, peak_rss=mem.peak or None)
+        res = StageResult(name, "ran", dt, fp, outputs, peak_rss=mem.peak or None, output_id=output_id)
         self.results.append(res)
         return res
 
