@@ -245,18 +245,15 @@ def policy_pair(text: str, pair, quantized: list[tuple[str, object]]) -> tuple[s
 def run_decoding(args, generation: dict | None):
     """The DecodingConfig every method decodes with: --temperature / --top-k / --top-p where given, the rest
     from the dataset's ``generation`` (its manifest's), greedy without either."""
+    from specstop.errors import UserError
     from specstop.probs import DecodingConfig
 
-    generation = generation or {}
-    temperature = args.temperature if args.temperature is not None else float(generation.get("temperature") or 0.0)
-    top_k = args.top_k if args.top_k is not None else int(generation.get("top_k") or 0)
-    top_p = args.top_p if args.top_p is not None else float(generation.get("top_p") or 1.0)
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise SystemExit(f"--temperature {temperature} --top-k {top_k} --top-p {top_p}: give temperature >= 0, "
-                         "top-k >= 0 and 0 < top-p <= 1")
-    if not temperature:
-        return DecodingConfig()
-    return DecodingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    try:
+        decoding = DecodingConfig.from_generation({**(generation or {}), **{k: v for k, v in given.items() if v is not None}})
+    except UserError as err:
+        raise SystemExit(f"--temperature / --top-k / --top-p: {err}") from None
+    return DecodingConfig() if decoding.greedy else decoding
 
 
 def main(argv=None) -> int:

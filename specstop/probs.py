@@ -57,6 +57,14 @@ class DecodingConfig:
 
         check_decoding(self.temperature, self.top_k, self.top_p)  # NaN, inf and 1e308 included
 
+    @classmethod
+    def from_generation(cls, generation: dict | None) -> DecodingConfig:
+        """The setting a dataset manifest's ``generation`` record (or any ``{temperature, top_k, top_p}``
+        mapping) describes; missing or null values: greedy, no top-k, no top-p."""
+        g = {k: v for k, v in (generation or {}).items() if v is not None}
+        return cls(temperature=float(g.get("temperature", 0.0)), top_k=int(g.get("top_k", 0)),
+                   top_p=float(g.get("top_p", 1.0)))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -201,16 +201,11 @@ class SpeculativeDecoder:
         self.compile = compile
         self.max_cache_len = max_cache_len
         self.last_state: dict[str, Any] | None = None  # caches + sequence of the last run (tests inspect it)
-        label_t = policy.tuned_temperature(self.decoding)
-        if label_t is not None and label_t != self.decoding.temperature:
+        mismatch = policy.temperature_mismatch(self.decoding)
+        if mismatch:
             import warnings
 
-            warnings.warn(
-                f"policy {policy.label} was tuned on data made at temperature {label_t:g}, decoding runs at "
-                f"{self.decoding.temperature:g}: its thresholds may not fit (decoding stays lossless; "
-                "`specstop export --also-tuned` carries a policy tuned at this temperature)",
-                stacklevel=2,
-            )
+            warnings.warn(mismatch, stacklevel=2)
 
     # ------------------------------------------------------------------ helpers
     def _pick(self, logits: torch.Tensor, probs: torch.Tensor | None, gen: torch.Generator | None) -> int:

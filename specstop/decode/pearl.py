@@ -160,14 +160,9 @@ class PearlDecoder:
         )
         is_folder = isinstance(stop, (str, Path)) and Path(stop).is_dir()
         self._stop_arg = str(Path(stop).resolve()) if is_folder else (str(stop) if isinstance(stop, Path) else stop)
-        label_t = self.stop_policy.tuned_temperature(self.decoding)
-        if label_t is not None and label_t != self.decoding.temperature:
-            warnings.warn(
-                f"stop policy {self.stop_policy.label} was tuned on data made at temperature {label_t:g}, decoding "
-                f"runs at {self.decoding.temperature:g}: its thresholds may not fit (decoding stays lossless; "
-                "`specstop export --also-tuned` carries a policy tuned at this temperature)",
-                stacklevel=3,
-            )
+        mismatch = self.stop_policy.temperature_mismatch(self.decoding)
+        if mismatch:
+            warnings.warn(f"PEARL's stop {mismatch}", stacklevel=3)
 
     @property
     def label(self) -> str:

@@ -29,6 +29,7 @@ from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData, load_replay_data
 from specstop.eval.replay import Counts, replay_prompt, score_key
 from specstop.eval.sampled import DEFAULT_REPEATS, replayable
+from specstop.probs import DecodingConfig
 
 
 @dataclass
@@ -70,11 +71,8 @@ def applies(generation: dict, max_new_tokens: int, decoding=None) -> bool:
         return False
     if decoding is None:
         return True
-    recorded = (float(generation.get("temperature") or 0.0), int(generation.get("top_k") or 0),
-                float(generation.get("top_p") or 1.0))
-    if not recorded[0]:
-        return decoding.greedy
-    return (decoding.temperature, decoding.top_k, decoding.top_p) == recorded
+    recorded = DecodingConfig.from_generation(generation)
+    return decoding.greedy if recorded.greedy else decoding == recorded
 
 
 def load_for_prompts(data_dir: str | Path, split: str, prompt_ids: list[str], max_new_tokens: int,
@@ -142,11 +140,8 @@ def replay_policies(data_dir: str | Path, split: str, prompt_ids: list[str], max
     from dataclasses import replace
 
     from specstop.data_gen.storage import read_manifest
-    from specstop.probs import DecodingConfig
 
-    gen = read_manifest(data_dir)["generation"]
-    decoding = DecodingConfig(temperature=float(gen.get("temperature") or 0.0), top_k=int(gen.get("top_k") or 0),
-                              top_p=float(gen.get("top_p") or 1.0))
+    decoding = DecodingConfig.from_generation(read_manifest(data_dir)["generation"])
     predictors, specs = {}, {}
     for name, pol in policies.items():
         if getattr(pol, "setting", None) is not None:

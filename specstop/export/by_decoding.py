@@ -16,7 +16,7 @@ export's ``config.json`` lists them under ``by_decoding``::
 A decoder hands the runtime its request's setting (``StoppingPolicy.configure``: our decoders, HF's
 ``custom_generate`` hook, PEARL's workers), and :func:`pick` chooses the entry: greedy requests the
 greedy entry; sampled requests the entry at the nearest temperature, then the one with the same top-k
-and top-p. Dependency-light: standard library and :mod:`specstop.policy` only.
+and top-p. Dependency-light: the runtime's own imports (:mod:`specstop.policy`, :mod:`specstop.probs`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 from specstop.errors import UserError
 from specstop.policy import PolicySpec
+from specstop.probs import DecodingConfig
 
 ENTRY_KEYS = frozenset({"decoding", "policy", "speedup", "source"})
 
@@ -32,8 +33,8 @@ ENTRY_KEYS = frozenset({"decoding", "policy", "speedup", "source"})
 def setting_of(decoding: Any) -> tuple[float, int, float]:
     """``(temperature, top_k, top_p)`` of a DecodingConfig or a ``{temperature, top_k, top_p}`` mapping
     (missing or null values: greedy, no top-k, no top-p)."""
-    get = decoding.get if isinstance(decoding, dict) else (lambda k: getattr(decoding, k, None))
-    return float(get("temperature") or 0.0), int(get("top_k") or 0), float(get("top_p") or 1.0)
+    d = DecodingConfig.from_generation(decoding) if isinstance(decoding, dict) else decoding
+    return d.temperature, d.top_k, d.top_p
 
 
 def describe(decoding: Any) -> str:

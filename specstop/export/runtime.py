@@ -275,17 +275,21 @@ class StoppingPolicy(
             self.vocab_size = vocab_size
         return self
 
-    def tuned_temperature(self, decoding: DecodingConfig) -> float | None:
-        """The temperature of the data this policy's numbers were tuned on for requests at ``decoding``
-        (the setting :meth:`configure` picks from ``by_decoding``, else the export's labels'); None for a
-        rule built without an export."""
+    def temperature_mismatch(self, decoding: DecodingConfig) -> str | None:
+        """One line for a decoder to warn with when the numbers this policy runs at ``decoding`` were tuned
+        on data made at another temperature (the setting :meth:`configure` picks from ``by_decoding``, else
+        the export's labels'); None when they match or the policy is a rule built without an export."""
         setting = (self.config or {}).get("decoding")
         if self._by_decoding:
             from specstop.export.by_decoding import pick
 
             setting = self._by_decoding[pick([e for e, _ in self._by_decoding], decoding)][0]["decoding"]
         t = (setting or {}).get("temperature")
-        return None if t is None else float(t)
+        if t is None or float(t) == decoding.temperature:
+            return None
+        return (f"policy {self.label} was tuned on data made at temperature {float(t):g}, decoding runs at "
+                f"{decoding.temperature:g}: its thresholds may not fit (decoding stays lossless; "
+                "`specstop export --also-tuned` carries a policy tuned at this temperature)")
 
     @property
     def label(self) -> str:

@@ -59,8 +59,10 @@ DECODING_KEYS = frozenset({"temperature", "top_k", "top_p"})
 
 def decoding_slug(generation: dict) -> str:
     """A folder-safe name of a decoding setting: ``greedy``, ``t1``, ``t0.7_p0.9``, ``t0.7_k50``."""
-    t, k, p = (float(generation.get("temperature") or 0.0), int(generation.get("top_k") or 0),
-               float(generation.get("top_p") or 1.0))
+    from specstop.probs import DecodingConfig
+
+    d = DecodingConfig.from_generation(generation)
+    t, k, p = d.temperature, d.top_k, d.top_p
     if not t:
         return "greedy"
     return f"t{t:g}" + (f"_k{k}" if k else "") + (f"_p{p:g}" if p < 1.0 else "")

@@ -57,8 +57,7 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     # Decode as the dataset describes: greedy, or sampled at its temperature / top-k / top-p (then the
     # outputs are samples, so the token-for-token check against the target does not apply, and each
     # repeat samples with its own seed).
-    decoding = DecodingConfig(temperature=float(gen.get("temperature") or 0.0), top_k=int(gen.get("top_k") or 0),
-                              top_p=float(gen.get("top_p") or 1.0))
+    decoding = DecodingConfig.from_generation(gen)
     greedy = decoding
 
     def replay_of(name: str) -> float | None:
