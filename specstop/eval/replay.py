@@ -60,6 +60,9 @@ class Counts:
         target_only: rounds that drafted nothing. prompts: number of prompts.
         k_hist: [K_max + 1] number of rounds that drafted K tokens (K = 0: target-only steps); what
             a cost model with a measured t_target(K) table prices (:meth:`CostModel.total_hist`).
+        unproposed: draft steps whose token was not proposed (replayed with ``drop_failing``: a round
+            that ends *before* the token failing its rule still paid the step that drafted it); priced
+            at one drafted token each on top of ``k_hist``.
     """
 
     n: int = 0
@@ -69,6 +72,7 @@ class Counts:
     target_only: int = 0
     prompts: int = 0
     k_hist: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    unproposed: int = 0
 
     def __post_init__(self) -> None:
         self.k_hist = np.asarray(self.k_hist, dtype=np.int64).reshape(-1)
@@ -84,7 +88,7 @@ class Counts:
         return self.drafted - self.accepted
 
     def add(self, other: Counts) -> None:
-        for f in ("n", "rounds", "drafted", "accepted", "target_only", "prompts"):
+        for f in ("n", "rounds", "drafted", "accepted", "target_only", "prompts", "unproposed"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.k_hist = add_hists(self.k_hist, other.k_hist)
 
@@ -117,7 +121,8 @@ class Counts:
             "tokens_per_round": self.n / r,
         }
         if cost is not None:
-            out["latency_per_token"] = float(cost.latency_from_hist(self.k_hist, self.n))
+            seconds = float(cost.total_hist(self.k_hist)) + self.unproposed * cost.per_drafted
+            out["latency_per_token"] = seconds / n
             out["speedup"] = cost.target_only_per_token / out["latency_per_token"]
         return out
 
@@ -156,12 +161,15 @@ def score_key(spec: PolicySpec) -> str | None:
 
 
 def replay(
-    data: ReplayData, spec: PolicySpec, *, trace: ReplayTrace | None = None, prompts=None, make_policy=RoundPolicy
+    data: ReplayData, spec: PolicySpec, *, trace: ReplayTrace | None = None, prompts=None, make_policy=RoundPolicy,
+    drop_failing: bool = False,
 ) -> Counts:
     """Replay every prompt (or the given prompt indices) step by step; return summed counters.
 
     ``make_policy(spec)`` builds the per-round state machine: :class:`RoundPolicy` for every shipped
     rule; analyses pass a subclass to replay a rule shape before it becomes a ``PolicySpec`` kind.
+    ``drop_failing``: the token at which the rule stops is drafted but not proposed (llama.cpp's
+    ``--spec-draft-p-min`` ends a draft *before* a token below it); specstop's decoders propose it.
     """
     total = Counts()
     key = score_key(spec)
@@ -170,12 +178,13 @@ def replay(
             f"no predictor scores {key!r} in the replay data (have: {sorted(data.row_scores)}); score it first"
         )
     for p in range(data.num_prompts) if prompts is None else prompts:
-        total.add(replay_prompt(data, int(p), spec, trace=trace, make_policy=make_policy))
+        total.add(replay_prompt(data, int(p), spec, trace=trace, make_policy=make_policy, drop_failing=drop_failing))
     return total
 
 
 def replay_prompt(
-    data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTrace | None = None, make_policy=RoundPolicy
+    data: ReplayData, p: int, spec: PolicySpec, *, trace: ReplayTrace | None = None, make_policy=RoundPolicy,
+    drop_failing: bool = False,
 ) -> Counts:
     """Step-by-step replay of prompt ``p`` (see module docstring for the exact rules)."""
     o = int(data.offsets[p])
@@ -246,13 +255,22 @@ def replay_prompt(
                     if reads == "dist"
                     else (None if prev_hidden_score is None else float(prev_hidden_score))
                 )
-            stop = policy.should_stop(StepFeatures(j=j, position=pos, top1=float(top1), score=score))
+            features = StepFeatures(j=j, position=pos, top1=float(top1), score=score)
             prev_hidden_score = hid_sc
+            if drop_failing:
+                if policy.rule_fires(features):  # drafted, not proposed: the round ends before token j
+                    out.unproposed += 1
+                    if m == o + pos:
+                        m = None  # the mismatch was the dropped token: every proposed token matches
+                    break
+                stop = j >= policy.cap()
+            else:
+                stop = policy.should_stop(features)
             k = j
             if stop or y in eos:
                 break
         n_acc = k if m is None else m - (o + s)
-        eos_acc = m is None and tok[o + s + k - 1] in eos
+        eos_acc = m is None and k > 0 and tok[o + s + k - 1] in eos
         emitted = n_acc if eos_acc else n_acc + 1
         policy.end_round(k, n_acc)
         _emit(out, trace, p, s, k, n_acc, emitted)

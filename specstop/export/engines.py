@@ -44,6 +44,7 @@ from typing import Any
 
 from specstop.errors import UserError
 from specstop.outputs import atomic_write_text
+from specstop.pair.convert import gguf_source
 
 ENGINES = ("hf", "vllm", "llamacpp", "sglang", "trtllm")
 #: Which tuned policies each engine can express (in tuned.json names).
@@ -246,20 +247,49 @@ def llamacpp_flags(spec: dict, *, legacy: bool = False) -> list[str]:
             "--spec-draft-p-min", f"{p_min:.4g}"]
 
 
-def _llamacpp(entry: dict, draft: str, target: str) -> dict:
+def llamacpp_rule_prediction(tuned: dict, spec: dict) -> dict | None:
+    """A threshold policy's prediction under llama.cpp's own p_min rule: the replay of the tuning split in
+    which a draft ends *before* the token that fails the threshold (its draft step still paid), priced by
+    the tuned file's cost model. None when the tuning dataset is not at hand (the file then keeps the
+    tuned prediction of specstop's rule, and a caveat says how llama.cpp differs)."""
+    from specstop.errors import MissingInputError
+    from specstop.eval.cost import load_cost_model
+    from specstop.eval.episodes import load_replay_data
+    from specstop.eval.replay import replay
+    from specstop.policy import PolicySpec
+
+    dataset, split = tuned.get("dataset"), tuned.get("split") or "validation"
+    if not dataset or not tuned.get("cost_model") or not Path(dataset).is_dir():
+        return None
+    try:
+        data = load_replay_data(dataset, split)
+    except (MissingInputError, OSError, KeyError, ValueError):
+        return None
+    policy = PolicySpec.from_dict(spec)
+    metrics = replay(data, policy, drop_failing=True).metrics(load_cost_model(tuned["cost_model"]).for_policy(policy))
+    return _prediction({"validation": metrics})
+
+
+def _llamacpp(entry: dict, draft: str, target: str, tuned: dict) -> dict:
     flags = llamacpp_flags(entry["spec"])
     base = ["llama-server", "-m", target, "-md", draft, "--temp", "0"]
-    return {
-        "flags": flags,
-        "flags_legacy": llamacpp_flags(entry["spec"], legacy=True),
-        "command": shlex.join(base + flags),
-        "caveat": (
-            "llama.cpp ends a draft *before* a token whose probability is below --spec-draft-p-min; specstop's "
-            "confidence rule drafts that token and stops after it, so with a threshold the engine drafts up to "
-            "one token fewer per round than the replay assumed"
-            if entry["spec"]["kind"] == "confidence" else None
-        ),
-    }
+    out = {"flags": flags, "flags_legacy": llamacpp_flags(entry["spec"], legacy=True),
+           "command": shlex.join(base + flags), "caveat": None}
+    if entry["spec"]["kind"] != "confidence":
+        return out
+    own = llamacpp_rule_prediction(tuned, entry["spec"])
+    if own is None:
+        out["caveat"] = ("llama.cpp ends a draft *before* a token whose probability is below --spec-draft-p-min; "
+                         "specstop's confidence rule drafts that token and stops after it, so with a threshold the "
+                         "engine drafts up to one token fewer per round than the replay assumed (the tuning dataset "
+                         "was not at hand to replay llama.cpp's rule)")
+        return out
+    out["predicted"] = own
+    out["predicted_specstop_rule"] = _prediction(entry)
+    out["caveat"] = ("predicted under llama.cpp's rule: a draft ends *before* a token whose probability is below "
+                     "--spec-draft-p-min, its draft step paid (the tuning split replayed that way); specstop's "
+                     "confidence rule, which proposes that token and stops after it, is predicted_specstop_rule")
+    return out
 
 
 #: trtllm-serve reads LLM API options from a YAML file (``--extra_llm_api_options``; newer releases
@@ -524,25 +554,6 @@ def engine_schedule(sched: dict, engine: str, draft: str, target: str, folder: s
     return {"cost_model": sched["cost_model"], "tuned": sched["entries"], **body}
 
 
-def gguf_source(model: str) -> str:
-    """The GGUF file a model folder was converted from (``specstop fetch-pair``), else ``model`` itself.
-
-    llama.cpp loads GGUF files only; a converted pair's folder records its source file, which
-    ``fetch-pair`` keeps in the downloads cache. A folder without that record (or whose GGUF is gone)
-    is returned unchanged, so the command still names the model the user gave.
-    """
-    from specstop.pair.convert import SOURCE_RECORD
-    from specstop.paths import downloads_dir
-
-    record = Path(model) / SOURCE_RECORD
-    try:
-        name = json.loads(record.read_text()).get("gguf_file")
-    except (OSError, ValueError, AttributeError):
-        return model
-    path = downloads_dir() / str(name)
-    return str(path) if name and path.is_file() else model
-
-
 def _pair_names(tuned: dict, manifest: dict | None) -> tuple[str, str]:
     pair = (manifest or {}).get("pair") or {}
     draft = (pair.get("draft") or {}).get("name_or_path") or "DRAFT"
@@ -616,7 +627,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         body = {
             "hf": lambda e: _hf(e, side_file(folder, "hf.json")),
             "vllm": lambda e: _vllm(e, draft, target, draft_quant),
-            "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target)),  # llama.cpp reads GGUF
+            "llamacpp": lambda e: _llamacpp(e, gguf_source(draft), gguf_source(target), tuned),  # llama.cpp reads GGUF
             "sglang": lambda e: _sglang(e, draft, target),
             "trtllm": lambda e: _trtllm(e, draft, target, folder),
         }[engine](entry)

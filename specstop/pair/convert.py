@@ -42,6 +42,21 @@ def read_source_record(folder: Path) -> dict | None:
         return None
 
 
+def gguf_source(model: str) -> str:
+    """The GGUF file a model folder was converted from (``specstop fetch-pair``), else ``model`` itself.
+
+    llama.cpp loads GGUF files only; a converted pair's folder records its source file, which
+    ``fetch-pair`` keeps in the downloads cache. A folder without that record (or whose GGUF is gone)
+    is returned unchanged, so a command still names the model the user gave.
+    """
+    from specstop.paths import downloads_dir
+
+    record = read_source_record(Path(model)) if Path(model).is_dir() else None
+    name = record.get("gguf_file") if isinstance(record, dict) else None
+    path = downloads_dir() / str(name)
+    return str(path) if name and path.is_file() else model
+
+
 def is_converted_from(folder: Path, sha256: str) -> bool:
     """True when ``folder`` is a complete conversion of the GGUF file with this hash."""
     rec = read_source_record(folder)
