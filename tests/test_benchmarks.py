@@ -20,6 +20,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 #: script -> its smoke arguments (``{pair}``, ``{data}``, ``{out}`` and ``{tmp}`` are filled in below).
 SMOKE = {
+    "compiled_draft_step.py": "--pair {pair} --quant none,int8 --dtype float32 --context 4 --steps 2 --repeats 2 "
+                              "--json {out}",
     "data_gen_throughput.py": "--pair tiny --n 2 --batch-sizes 1 --max-new-tokens 4 --device cpu --dtype float32",
     "dataset_stats.py": "{data}",
     "float32_gemm.py": "--reps 1 --rows 1",
@@ -89,6 +91,10 @@ def test_smoke_run(script, tiny_pair_dir, synth_dir, tmp_path, monkeypatch):
         torch.set_num_threads(old_threads)
     if "{out}" in SMOKE[script]:
         assert json.loads(out.read_text()), f"{script} wrote nothing to --out"
+    if script == "compiled_draft_step.py":  # in float32 the compiled step is the same model, token for token
+        results = json.loads(out.read_text())["results"]
+        assert set(results) == {"none", "int8"} and all(r["same_tokens"] for r in results.values())
+        assert all(len(r["eager"]) == len(r["compiled"]) == 2 and r["compiled_over_eager"] > 0 for r in results.values())
     if script == "llamacpp_speculative.py":
         record = json.loads(out.read_text())
         options = json.loads((tmp_path / "llamacpp.json").read_text())["options"]
