@@ -170,7 +170,7 @@ def _median_rate(rows: list[dict], per: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def calibrate_in_llamacpp(binary: str, draft: Path, target: Path, prompts: list[list[int]], *, k_grid: list[int],
+def calibrate_in_llamacpp(binary: str, draft: Path, target: Path, prompts: list[list[int] | str], *, k_grid: list[int],
                           max_tokens: int, repeats: int, threads: int, log_dir: Path, machine: dict, name: str,
                           ctx: int = 4096, timeout: float = 900.0, progress=print) -> tuple[CostModel, dict]:
     """llama.cpp's own costs on this machine, as a specstop :class:`CostModel`.
@@ -178,7 +178,7 @@ def calibrate_in_llamacpp(binary: str, draft: Path, target: Path, prompts: list[
     Args:
         binary: llama-server.
         draft, target: the GGUF files.
-        prompts: token ids of each prompt (chat template applied).
+        prompts: token ids of each prompt (chat template applied), or texts the server tokenizes.
         k_grid: drafted lengths K >= 1 to time rounds at (K = 0, the target alone, is always timed).
         max_tokens: new tokens per request.
         repeats: passes over the prompts; configurations take turns per prompt, the first rotating.
