@@ -33,6 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from specstop.decode.pearl_spec import available_cores
 from specstop.errors import UserError
 from specstop.export.engines import LLAMACPP_DRAFT_TYPE
 from specstop.measure.llamacpp_cost import LlamaServer, decode_phase, find_server
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (interleaved)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests per configuration first")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                    else os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=len(available_cores()), help="llama.cpp's threads")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--nice", type=int, default=0, help="run the servers under nice -n N (shared machines)")
     ap.add_argument("--no-default", action="store_true", help="skip llama.cpp's default draft settings")

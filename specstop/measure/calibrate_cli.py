@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -220,12 +219,7 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     if folders is None:
         raise UserError("--engine vllm needs --pair, or --draft and --target")
     draft, target = folders
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    texts = read_prompts(args.prompts)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) if tok.chat_template else tok(t).input_ids for t in texts]
+    prompts = _prompt_ids(target, read_prompts(args.prompts))
     prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), max(batch_grid)))]
     # With --engine vllm, --budget sizes each request's new tokens (one per budget second, 48-256): the
     # sweep decodes every prompt at every batch size, so its length is what the budget controls.
@@ -251,6 +245,16 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
         log.info("vLLM's own draft-model runner, seconds per decode step at B = %s (prices what vLLM runs itself: "
                  "a fixed K, the batch schedule): %s", b, ", ".join(f"K={k}: {v['step_s']:.3f}" for k, v in by_k.items()))
     return 0
+
+
+def _prompt_ids(tokenizer_dir: str, texts: list[str]) -> list[list[int]]:
+    """Each prompt as the pair renders it (its chat template when it has one), for an engine's cost sweep."""
+    from transformers import AutoTokenizer
+
+    from specstop.prompts import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [render_prompt(t, tok, chat_template=bool(getattr(tok, "chat_template", None))) for t in texts]
 
 
 def _engine_machine() -> dict:
@@ -290,18 +294,11 @@ def _run_llamacpp(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
                             f"--{role} FILE.gguf, or a folder `specstop fetch-pair` converted from one")
     texts = read_prompts(args.prompts)
     tokenizer_dir = next((f for f in reversed(folders) if Path(f).is_dir()), None)
-    if tokenizer_dir is not None:  # the dataset's exact token ids: the pair's chat template
-        from transformers import AutoTokenizer
+    # A tokenizer folder: the exact token ids the pair's chat template gives; GGUF files alone: the server tokenizes.
+    prompts = _prompt_ids(tokenizer_dir, texts) if tokenizer_dir is not None else list(texts)
+    from specstop.decode.pearl_spec import available_cores
 
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
-                                           return_dict=False) if tok.chat_template else tok(t).input_ids for t in texts]
-    else:  # GGUF files alone: llama-server tokenizes the text
-        prompts = list(texts)
-    try:
-        threads = args.threads or len(os.sched_getaffinity(0))
-    except AttributeError:
-        threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or len(available_cores())
     max_tokens = int(min(256, max(48, args.budget)))
     log_dir = Path(args.out).resolve().parent
     log_dir.mkdir(parents=True, exist_ok=True)
