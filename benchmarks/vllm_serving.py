@@ -105,6 +105,15 @@ def _top2(position_logprobs) -> list:
     return [list(t) for t in items[:2]]
 
 
+def _step_table(steps: list[tuple[float, int, bool]]) -> dict:
+    """The engine's decode steps of a run by how many rows decoded in them: ``{rows: {"n", "seconds",
+    "median_s"}}``, and the steps that held a prefill (``"prefill"``)."""
+    table: dict = {}
+    for seconds, rows, decode in steps:
+        table.setdefault(str(rows) if decode else "prefill", []).append(seconds)
+    return {key: {"n": len(v), "seconds": sum(v), "median_s": statistics.median(v)} for key, v in table.items()}
+
+
 def _say(msg: str) -> None:
     print(f"{PROGRESS} {msg}", flush=True)
 
@@ -117,7 +126,7 @@ def worker(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     from specstop.decode.vllm_proposer import live_proposers, spec_counters
-    from specstop.measure.vllm_cost import decode_phase, shutdown_engine
+    from specstop.measure.vllm_cost import EngineSteps, decode_phase, shutdown_engine
 
     result: dict = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                                  "transformers": transformers.__version__, "python": platform.python_version()},
@@ -141,6 +150,7 @@ def worker(job: dict) -> dict:
             _say(f"{name}: the engine did not start")
             continue
         res["start_s"] = time.perf_counter() - t0
+        timer = EngineSteps(llm)
         try:
             t0 = time.perf_counter()
             for _ in range(job["warmup"]):
@@ -160,13 +170,15 @@ def worker(job: dict) -> dict:
             for r in range(job["repeats"]):
                 for b in _rotated(sizes, job["b_shift"] + r):
                     before = spec_counters(llm)
-                    walls, outs, phases = [], [], []
+                    walls, outs, phases, steps = [], [], [], []
                     for batch in _batches(prompts, b):
+                        timer.begin(len(batch))
                         t = time.perf_counter()
                         got = llm.generate(batch, params, use_tqdm=False)
                         walls.append(time.perf_counter() - t)
                         outs += [list(o.outputs[0].token_ids) for o in got]
                         phases.append(decode_phase(got))
+                        steps += timer.steps
                     after = spec_counters(llm)
                     tokens = sum(len(o) for o in outs)
                     # The decode phase alone (every prefill done): what the engine files' predictions price.
@@ -174,6 +186,7 @@ def worker(job: dict) -> dict:
                                                           "seconds": sum(p[1] for p in phases)}
                     res["runs"].append({"repeat": r, "batch_size": b, "wall_s": sum(walls), "batch_wall_s": walls,
                                         "tokens": tokens, "outputs": outs, "decode": decode,
+                                        "steps": _step_table(steps),
                                         "spec": {k: after[k] - before[k] for k in after}})
                     _say(f"{name}: B={b} repeat {r}: {tokens} tokens in {sum(walls):.2f} s "
                          f"({tokens / max(sum(walls), 1e-9):.2f} tok/s)")
@@ -591,6 +604,22 @@ def _decode_row(runs: list[dict], base: float | None) -> dict:
             "decode_speedup": med / base if base else None}
 
 
+def _steps_row(runs: list[dict], b: int) -> dict | None:
+    """The engine's decode steps over ``runs`` at batch size ``b``: the median step with all ``b`` rows
+    (what a prediction for ``b`` rows prices), how many there were, and the share of decode time spent
+    in steps with fewer rows (requests that finished early); None without step timings."""
+    tables = [r["steps"] for r in runs if r.get("steps")]
+    if not tables:
+        return None
+    full = [t[str(b)]["median_s"] for t in tables if str(b) in t]
+    decode_s = sum(v["seconds"] for t in tables for key, v in t.items() if key != "prefill")
+    partial_s = sum(v["seconds"] for t in tables for key, v in t.items() if key not in ("prefill", str(b)))
+    return {"full_median_s": statistics.median(full) if full else None,
+            "full_steps": sum(t[str(b)]["n"] for t in tables if str(b) in t),
+            "partial_steps": sum(v["n"] for t in tables for key, v in t.items() if key not in ("prefill", str(b))),
+            "partial_share": partial_s / decode_s if decode_s else None}
+
+
 def summarize(record: dict, tokenizer) -> dict:
     """Per method and B: tok/s statistics, speedup over no_spec, acceptance, and the output comparison."""
     from specstop.decode.vllm_proposer import SPEC_METRICS
@@ -626,6 +655,7 @@ def summarize(record: dict, tokenizer) -> dict:
                    "predicted_speedup": predicted,
                    **_decode_row(runs, base_decode.get(b)),
                    "tokens": [r["tokens"] for r in runs],
+                   "steps": _steps_row(runs, b),
                    "spec": spec,
                    "accepted_per_draft": spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else None,
                    "draft_len": spec["draft_tokens"] / spec["drafts"] if spec["drafts"] else None,
@@ -665,6 +695,46 @@ def summarize(record: dict, tokenizer) -> dict:
 
 def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def runner_k(method: dict, b: int) -> int | None:
+    """The K vLLM's own runner drafts at ``b`` rows for ``method`` (0 without speculation); None for
+    specstop's proposer, whose drafts vary."""
+    conf = method.get("speculative_config")
+    if conf is None:
+        return 0
+    if conf.get("method") == "custom_class":
+        return None
+    for lo, hi, k in conf.get("num_speculative_tokens_per_batch_size") or []:
+        if lo <= b <= hi:
+            return int(k)
+    return int(conf.get("num_speculative_tokens", 0))
+
+
+def _steps_markdown(record: dict) -> list[str]:
+    """The engine's own decode steps per method and B, beside the cost model's for vLLM's runner."""
+    summary, sizes = record["summary"], record["settings"]["batch_sizes"]
+    if not any((summary.get(m["name"], {}).get(str(b)) or {}).get("steps") for m in record["methods"] for b in sizes):
+        return []
+    calibrated = record.get("runner_steps") or {}
+    lines = ["", "Decode steps as the engine timed them (each engine step on its own): the median step in which "
+             "all B rows decoded, in ms, with the number of such steps; in brackets the cost model's step for "
+             "vLLM's runner at that B and K where calibrate-cost timed it; then the share of decode time spent "
+             "in steps with fewer rows (requests that finished early):", "",
+             "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in record["methods"]:
+        cells = []
+        for b in sizes:
+            st = (summary.get(m["name"], {}).get(str(b)) or {}).get("steps")
+            if not st or st["full_median_s"] is None:
+                cells.append("-")
+                continue
+            k = runner_k(m, b)
+            cal = ((calibrated.get(str(b)) or {}).get(str(k)) or {}).get("step_s") if k is not None else None
+            cells.append(f"{st['full_median_s'] * 1e3:.0f} ({st['full_steps']})"
+                         + (f" [{cal * 1e3:.0f}]" if cal else "") + f", {_fmt(st['partial_share'], '.0%')}")
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(record: dict) -> str:
@@ -734,6 +804,7 @@ def markdown(record: dict) -> str:
                          f"| {_fmt(got, '.3f')} |")
         if record.get("priced_by"):
             lines.append(f"\nPriced by: {record['priced_by']}")
+    lines += _steps_markdown(record)
     if record.get("best_static_k"):
         lines += ["", "Best static K per B (vLLM draft model, highest median tok/s): "
                   + ", ".join(f"B={b}: K={v['k']} ({v['speedup']:.3f}x)" for b, v in record["best_static_k"].items())]
@@ -878,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
             "engine_starts": starts,
             "engine_costs": engine_costs,
             "priced_by": _engines_file(args).get("priced_by"),
+            "runner_steps": ((((_engines_file(args).get("cost_model") or {}).get("fit") or {}).get("vllm_runner") or {})
+                             .get("step_s")),
             "runs": runs,
             "reference": reference,
             "errors": errors,

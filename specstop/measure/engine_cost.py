@@ -117,7 +117,7 @@ def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict
              "raw": costs, "check": check,
              **({"vllm_runner": {"step_s": runner,
                                  "method": "vLLM's draft-model runner at a fixed K (K = 0: no speculation), B "
-                                           "copies of a prompt per batch: decode-phase seconds per verification "
-                                           "step, median over prompts"}} if runner else {})},
+                                           "different prompts per batch: each engine step timed, the median "
+                                           "of the decode steps in which all B rows decoded"}} if runner else {})},
         batch=batch,
     )

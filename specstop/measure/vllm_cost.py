@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,45 +118,96 @@ def decode_phase(outputs) -> tuple[int, float] | None:
     return tokens, max(s.last_token_ts for s in stats) - max(s.first_token_ts for s in stats)
 
 
+class EngineSteps:
+    """Times every engine step of a ``vllm.LLM`` on the single-process executor, with how many rows it decoded.
+
+    It wraps the in-process engine client's ``get_output`` (one scheduler step: schedule, the target's
+    forward, sampling, verification and the drafts for the next step). A step counts as a decode step
+    once every request of the current ``generate`` call has its first token, so no prefill shares it.
+
+    Attributes:
+        steps: ``(seconds, rows, decode)`` per step since the last :meth:`begin`; rows: requests that
+            got tokens in the step.
+    """
+
+    def __init__(self, llm):
+        self._client = llm.llm_engine.engine_core
+        self._inner = self._client.get_output
+        self._client.get_output = self._timed
+        self.steps: list[tuple[float, int, bool]] = []
+        self._expected, self._seen = 0, set()
+
+    def begin(self, requests: int) -> None:
+        """Start timing a ``generate`` call of ``requests`` requests (forgets earlier steps)."""
+        self.steps, self._expected, self._seen = [], int(requests), set()
+
+    def _timed(self):
+        decode = len(self._seen) >= self._expected
+        t0 = time.perf_counter()
+        out = self._inner()
+        seconds = time.perf_counter() - t0
+        rows = [o.request_id for o in out.outputs if o.new_token_ids]
+        self._seen.update(rows)
+        if rows:
+            self.steps.append((seconds, len(rows), decode))
+        return out
+
+    def decode_steps(self, rows: int | None = None) -> list[float]:
+        """Seconds of each decode step since :meth:`begin` (with exactly ``rows`` rows when given)."""
+        return [s for s, r, d in self.steps if d and (rows is None or r == rows)]
+
+    def close(self) -> None:
+        """Restore the engine client's own ``get_output``."""
+        self._client.get_output = self._inner
+
+
 def time_runner(job: dict, prompts: list[dict]) -> dict:
     """vLLM's own draft-model runner at each K of ``job["runner_k"]`` (K = 0: vLLM without speculation)
     and each batch size of ``job["batch_sizes"]``: seconds per decode step, i.e. per verification of K
-    drafted tokens in every row. Returns ``{"B": {"K": {"step_s", "requests", "min_s", "max_s"}}}``.
+    drafted tokens in every row. Returns ``{"B": {"K": {"step_s", "starts", "requests", "steps", "min_s",
+    "max_s"}}}``.
 
-    vLLM counts a draft when it verifies it, so a request's decode phase (first token to last) holds
-    exactly its drafts' steps; without speculation, one step per token after the first. A batch of B
-    copies of one prompt decodes greedily in lockstep (same tokens, same acceptance), so each step has
-    all B rows and the batch's drafts / B is its step count.
+    Every engine step is timed on its own (:class:`EngineSteps`); an engine start's figure is the median
+    of the decode steps in which all B rows decoded, so prefills and the tail of a batch whose rows
+    finished at different steps are left out. The B rows are B different prompts, as a server's are.
+    A step's cost moves from one engine start to the next on a CPU (by up to 40% for one row), so each
+    K is started ``job["runner_starts"]`` times, the K taking turns, and ``step_s`` is the median over
+    the starts (``starts`` keeps each start's own).
     """
     from vllm import LLM, SamplingParams
 
-    from specstop.decode.vllm_proposer import spec_counters
-
     params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=0.0, ignore_eos=True)
     sizes = [int(b) for b in job.get("batch_sizes") or [1]]
+    per_start: dict = {}
+    for start in range(max(int(job.get("runner_starts") or 1), 1)):
+        for k in job.get("runner_k") or []:
+            conf = {"model": job["draft"], "num_speculative_tokens": int(k)} if k else None
+            t0 = time.perf_counter()
+            llm = LLM(model=job["target"], speculative_config=conf, disable_log_stats=False, **job["engine"])
+            llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+            timer = EngineSteps(llm)
+            for b in sizes:
+                calls = len(prompts) if b == 1 else 2  # larger batches: fewer calls, as many rows
+                steps = []
+                for first in range(calls):
+                    timer.begin(b)
+                    llm.generate([prompts[(first + i) % len(prompts)] for i in range(b)], params, use_tqdm=False)
+                    steps += timer.decode_steps(rows=b)
+                if steps:
+                    per_start.setdefault((b, k), []).append((steps, calls * b))
+            timer.close()
+            shutdown_engine(llm)
+            del llm
+            what = f"draft model K={k}" if k else "no speculation"
+            print(f"[calibrate-cost] vLLM: {what} timed at batch sizes {','.join(map(str, sizes))}, engine start "
+                  f"{start + 1} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out: dict = {}
-    for k in job.get("runner_k") or []:
-        conf = {"model": job["draft"], "num_speculative_tokens": int(k)} if k else None
-        t0 = time.perf_counter()
-        llm = LLM(model=job["target"], speculative_config=conf, disable_log_stats=False, **job["engine"])
-        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
-        for b in sizes:
-            per_step = []
-            for p in prompts if b == 1 else prompts[:2]:  # larger batches: fewer prompts, as many rows
-                before = spec_counters(llm)
-                phase = decode_phase(llm.generate([p] * b, params, use_tqdm=False))
-                steps = (spec_counters(llm)["drafts"] - before["drafts"]) / b if k else (phase[0] / b if phase else 0)
-                if phase and steps > 0:
-                    per_step.append(phase[1] / steps)
-            if per_step:
-                out.setdefault(str(b), {})[str(k)] = {
-                    "step_s": float(sorted(per_step)[len(per_step) // 2]), "requests": len(per_step) * b,
-                    "min_s": min(per_step), "max_s": max(per_step)}
-        shutdown_engine(llm)
-        del llm
-        what = f"draft model K={k}" if k else "no speculation"
-        print(f"[calibrate-cost] vLLM: {what} timed at batch sizes {','.join(map(str, sizes))} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for (b, k), starts in per_start.items():
+        medians = [float(statistics.median(steps)) for steps, _ in starts]
+        pooled = [x for steps, _ in starts for x in steps]
+        out.setdefault(str(b), {})[str(k)] = {
+            "step_s": float(statistics.median(medians)), "starts": medians,
+            "requests": sum(n for _, n in starts), "steps": len(pooled), "min_s": min(pooled), "max_s": max(pooled)}
     return out
 
 
@@ -193,10 +245,10 @@ def worker(job: dict) -> dict:
 
 def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_grid: list[int], batch_sizes: list[int],
                       max_tokens: int, dtype: str, draft_quant: str | None, python: str | None, log_path: Path,
-                      machine: dict, name: str, runner_k: list[int] | None = None):
+                      machine: dict, name: str, runner_k: list[int] | None = None, runner_starts: int = 1):
     """Run :func:`worker` in vLLM's Python and return ``(CostModel, raw worker result)``. ``runner_k``: the K
     at which vLLM's own draft-model runner is timed (0: without speculation); None: 0 and every K >= 1
-    of ``k_grid``; [] or a quantized draft: not timed.
+    of ``k_grid``; [] or a quantized draft: not timed. ``runner_starts``: engine starts per K of that runner.
 
     Raises:
         UserError: vLLM's Python cannot import vLLM, or the engine failed (the log's tail is in the message).
@@ -208,7 +260,7 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
     runner_k = grid if runner_k is None else sorted({int(k) for k in runner_k})
     longest = max(map(len, prompts)) + max_tokens + max(grid) + 16
     job = {"draft": draft, "target": target, "prompts": prompts, "k_grid": grid, "batch_sizes": batch_sizes,
-           "max_tokens": max_tokens, "draft_quant": draft_quant, "runner_k": runner_k,
+           "max_tokens": max_tokens, "draft_quant": draft_quant, "runner_k": runner_k, "runner_starts": runner_starts,
            "engine": engine_kwargs(dtype, -(-longest // 128) * 128, max(batch_sizes))}
     with tempfile.TemporaryDirectory(prefix="specstop_vllm_cost_") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
