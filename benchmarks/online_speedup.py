@@ -32,6 +32,10 @@ Methods:
                         features are the float draft's; an export trained with the int4 draft runs on it instead)
     ours[self-int4] <policy> --self-draft int4: each rule --policy again with the target quantized as its own
                         draft (specstop.pair.loader.self_draft); --quant-cost / --quant-data self-int4=...
+    ours[compiled] <policy> --compile-draft: each rule --policy again (and each quantized variant, as
+                        ours[int4+compiled] ...) with the draft's steps under torch.compile over a static cache;
+                        priced with --quant-cost compiled=COST / int4+compiled=COST (calibrate-cost
+                        --compile-draft) and replayed on the same draft's dataset
     ours[int4 / self-int4] LO/HI --multi-level LO/HI (repeatable): multi-level speculation
                         (specstop.decode.multilevel): the pair's draft in --multi-level-quant drafts for the
                         target in that scheme under policy LO, which drafts for the target under policy HI;
@@ -284,6 +288,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--static-cache", action="store_true", help="our decoder with a static KV cache")
     ap.add_argument("--compile", action="store_true", help="our decoder compiled (implies --static-cache)")
+    ap.add_argument("--compile-draft", action="store_true",
+                    help="every rule --policy (and its --draft-quant / --self-draft variants) again with the draft's "
+                    "steps compiled (torch.compile over a static cache), named compiled / int4+compiled / ...; "
+                    "--quant-cost int4+compiled=COST (calibrate-cost --compile-draft) prices them")
     ap.add_argument("--reference", help="one of the --policy values every other is also compared with, paired per "
                     "prompt (default: tuned:static_opt when given)")
     ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
@@ -351,9 +359,16 @@ def main(argv=None) -> int:
     kw = {"static_cache": args.static_cache, "compile": args.compile}
     quantized = quantized_pairs(pair, args.draft_quant)
     selfs = self_drafts(pair, args.self_draft)
+    # The same drafts with their steps compiled: same tokens and acceptance, so the same datasets replay them.
+    compiled = [(f"{n}+compiled" if n else "compiled", q.with_compiled_draft())
+                for n, q in ([("", pair)] + quantized + selfs if args.compile_draft else [])]
     variant_cost = {n: load_cost_model(p)
-                    for n, p in named_paths(args.quant_cost, "--quant-cost", [*quantized, *selfs]).items()}
+                    for n, p in named_paths(args.quant_cost, "--quant-cost", [*quantized, *selfs, *compiled]).items()}
     variant_data = named_paths(args.quant_data, "--quant-data", [*quantized, *selfs])
+    if args.data:
+        variant_data["compiled"] = args.data
+    variant_data.update({n: variant_data[n.removesuffix("+compiled")] for n, _ in compiled
+                         if n.removesuffix("+compiled") in variant_data})
 
     def variant_method(label: str, scheme: str, qpair, pol):
         """A chain on a quantized draft's pair, priced (and replayed) with that draft's own files when given."""
@@ -448,11 +463,12 @@ def main(argv=None) -> int:
         dec = SpeculativeDecoder(pair, pol, decoding, **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
-        for scheme, qpair in [*quantized, *selfs]:
-            if pol.spec.kind == "predictor":
+        for scheme, qpair in [*quantized, *selfs, *compiled]:
+            if pol.spec.kind == "predictor" and scheme != "compiled":
                 print(f"ours[{scheme}] {name}: left out (a learned policy reads the float draft's features)")
                 continue
-            methods.append(variant_method(f"ours[{scheme}] {name}", scheme, qpair, StoppingPolicy.from_spec(pol.spec)))
+            own_pol = pol if scheme == "compiled" else StoppingPolicy.from_spec(pol.spec)  # the float draft's own
+            methods.append(variant_method(f"ours[{scheme}] {name}", scheme, qpair, own_pol))
         if args.hf_policies:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     levels = {}

@@ -295,6 +295,29 @@ def test_online_speedup_runs_a_quantized_drafts_export_on_that_draft_and_multi_l
     assert [lv["name"] for lv in runs[0]] == ["level0", "level1", "target"] and runs[0][2]["rounds"] > 0
 
 
+def test_online_speedup_runs_each_chain_again_with_a_compiled_draft(tiny_pair_dir, tmp_path, monkeypatch):
+    """--compile-draft: every rule policy again on the float draft and on each --draft-quant copy with its
+    steps compiled, priced by --quant-cost NAME+compiled=COST, the output the target's own (float32)."""
+    from _usage_fixtures import usage_fixtures
+
+    monkeypatch.chdir(tmp_path)
+    fx = usage_fixtures(tmp_path / "fx", tiny_pair_dir)
+    out = tmp_path / "out.json"
+    old_threads = torch.get_num_threads()
+    try:
+        assert run_script(BENCH / "online_speedup.py", [
+            "--pair", str(tiny_pair_dir), "--prompt", "hello", "--limit", "1", "--repeats", "1", "--max-new-tokens",
+            "6", "--dtype", "float32", "--device", "cpu", "--policy", "static:2", "--draft-quant", "int8",
+            "--compile-draft", "--quant-cost", f"int8+compiled={fx.cost}", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    record = json.loads(out.read_text())
+    rows = record["summary"]["rows"]
+    assert {"ours static:2", "ours[int8] static:2", "ours[compiled] static:2", "ours[int8+compiled] static:2"} <= set(rows)
+    assert rows["ours[int8+compiled] static:2"]["predicted_decode_speedup"] > 0
+    assert not record["summary"]["flips"]  # every method's greedy output is the target's
+
+
 def test_online_speedup_samples_with_a_seed_per_repeat(tiny_pair_dir, tmp_path, monkeypatch):
     """--temperature / --top-p: every method samples (chains, trees, multi-level), repeat r with seed r,
     and the summary pools the seeds and shows their range; HF's greedy-only methods are refused."""

@@ -179,6 +179,25 @@ def test_remeasuring_a_few_short_k_still_times_the_draft():
     assert set(raw["target"]) == {1} and len(raw["draft"]) == raw["rounds"] * DRAFT_STEPS_PER_ROUND
 
 
+def test_compiled_draft_timing_picks_what_the_eager_draft_picks():
+    """calibrate-cost --compile-draft times the draft as the decoder's compiled draft runs: a static cache
+    rewound after every timed feed, so each sample sees the same context and picks the same token."""
+    from specstop.measure.calibrate import build_context, machine_record, time_pair
+    from specstop.pair.cached_forward import CachedForward
+    from specstop.testing import tiny_pair
+
+    pair = tiny_pair()
+    ctx = build_context(pair.tokenizer, ["def add(a, b):\n    return a + b\n"], 30)
+    eager, compiled = CachedForward(pair.draft, ctx), CachedForward(pair.draft, ctx, compiled=True)
+    for tokens in ([5], [7, 9], [5]):
+        assert eager.time_feed(tokens)[1] == compiled.time_feed(tokens)[1]
+    assert compiled.cache.get_seq_length() == len(ctx)  # rewound: the next feed sees the same context
+    fast = pair.with_compiled_draft()
+    raw = time_pair(fast, ctx, context_tokens=30, budget_s=0.05, k_grid=(1,), progress=False)
+    assert len(raw["draft"]) >= 4 and all(s > 0 for s in raw["draft"])
+    assert machine_record(fast, 30)["draft_compiled"] is True and "draft_compiled" not in machine_record(pair, 30)
+
+
 def test_pearl_row_priced_with_the_measured_split():
     from specstop.eval.pearl import pearl_replay
     from specstop.eval.synthetic import random_replay_data

@@ -123,6 +123,22 @@ def test_compiled_static_cache_path_greedy_equal(pair, prompts, references):
     assert res.token_ids == references[1][:10]
 
 
+def test_compiled_draft_is_lossless_and_compiles_once(pair, prompts, references):
+    """compile_draft: the draft's one- and two-token feeds under torch.compile over a static cache, the target
+    eager. Greedy output equals the target's; a second request at the same cache length reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    dec = SpeculativeDecoder(pair, StoppingPolicy.from_string("confidence:0.3"), compile_draft=True)
+    first = dec.generate(prompts[1], 12)
+    assert first.token_ids == references[1][:12]
+    assert dec.last_state["draft"].static and not dec.last_state["target"].static
+    graphs = counters["stats"]["unique_graphs"]
+    again = dec.generate(prompts[0], 12)
+    assert again.token_ids == references[0][:12]
+    assert counters["stats"]["unique_graphs"] == graphs, "a second request at the same cache length recompiled"
+    assert set(again.round_lengths) - {0}, "no round drafted: the compiled draft steps never ran"
+
+
 @torch.no_grad()
 def test_kv_rollback_matches_fresh_forward(pair, prompts):
     dec = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:5"))

@@ -154,3 +154,12 @@ def test_calibrate_cost_vllm_refuses_zero_engine_starts(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--engine-starts 0" in err[0], err
     assert not out.exists()
+
+
+def test_calibrate_cost_compile_draft_is_for_specstops_decoders(tmp_path, capsys):
+    from specstop.cli import main
+
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", "d", "--target", "t", "--compile-draft",
+                 "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "drop --compile-draft" in err[0], err

@@ -35,6 +35,7 @@ import torch
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.context import check_request, check_seed
+from specstop.pair.static_cache import CACHE_BUCKETS, compiled_forward, rewind, static_cache_length
 from specstop.probs import DecodingConfig, logits_to_probs, verify_drafts
 
 __all__ = ["DecodeResult", "SpeculativeDecoder", "eos_token_ids"]
@@ -48,7 +49,8 @@ class DecodeResult:
     counters: N, N_target, N_draft, N_discarded, rounds, stop_reason ("eos" | "length").
     round_lengths: K per round (0 for a target-only step).
     accepted_per_round: n per round (accepted drafted tokens, bonus not counted).
-    timings: seconds per phase: ``prefill`` (both models, all prompt tokens but the last),
+    timings: seconds per phase: ``prefill`` (both models, all prompt tokens but the last; with a
+        compiled draft, the compilation its first request at a cache length pays too),
         ``draft`` (draft forwards and picks, the catch-up feed of a round's first step included),
         ``predictor`` (the policy's decision, features included), ``target`` (verification
         forwards and target-only steps), ``accept`` (comparing/sampling the verified block),
@@ -119,14 +121,8 @@ class _LM:
         self.forward = self.compiled = model.forward
         self.compiled_up_to = compiled_up_to if compile else 0
         if compile:
-            # Static shapes per input length: one graph per (model, length) pair. Draft and target
-            # share one forward code object, whose recompile limit (8 by default) must hold them all.
-            import torch._dynamo
-
-            name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-            needed = 2 * (compiled_up_to + 1) + 2
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), needed))
-            self.compiled = torch.compile(model.forward, dynamic=False, fullgraph=False)
+            # Static shapes: one graph per fed length and cache length, for the draft and the target.
+            self.compiled = compiled_forward(model, 2 * (compiled_up_to + 1) * CACHE_BUCKETS + 2)
 
     @torch.no_grad()
     def feed(self, tokens: list[int], keep_logits: int, hidden: bool = False, layer: int = -1):
@@ -159,10 +155,7 @@ class _LM:
         if keep >= self.length:
             return
         if self.static:
-            # Stale entries past `keep` are masked by position and overwritten by the next feed.
-            for layer in self.cache.layers:
-                if getattr(layer, "is_initialized", False):
-                    layer.cumulative_length.fill_(keep)
+            rewind(self.cache, keep)
         else:
             self.cache.crop(keep - self.length)  # transformers 5: a negative count removes tokens
         self.length = keep
@@ -178,6 +171,10 @@ class SpeculativeDecoder:
         decoding: the decoding transform for both models (temperature 0 = greedy).
         static_cache: use HF ``StaticCache`` (needed for ``compile``; mainly for CUDA).
         compile: ``torch.compile`` both models' forwards (CUDA; CPU works but compiles slowly).
+        compile_draft: ``torch.compile`` the draft's round feeds alone (one and two tokens, over a
+            ``StaticCache``); the target stays as ``static_cache`` says. On a CPU the draft's one-token
+            steps are dominated by kernel launches, which the compiled graph removes
+            (``benchmarks/compiled_draft_step.py`` measures whether it pays), at two graphs' compile.
         max_cache_len: static cache size (prompt + new tokens + SL_max is enough).
     """
 
@@ -189,6 +186,7 @@ class SpeculativeDecoder:
         *,
         static_cache: bool = False,
         compile: bool = False,
+        compile_draft: bool = False,
         max_cache_len: int = 4096,
     ) -> None:
         self.pair = pair
@@ -199,6 +197,8 @@ class SpeculativeDecoder:
         self.eos = eos_token_ids(pair)
         self.static_cache = static_cache or compile
         self.compile = compile
+        self.compile_draft = compile_draft or compile or bool(getattr(pair, "compile_draft", False))
+        self._compiled_for: set[tuple[int, bool]] = set()  # (cache length, hidden states) the draft compiled for
         self.max_cache_len = max_cache_len
         self.last_state: dict[str, Any] | None = None  # caches + sequence of the last run (tests inspect it)
         mismatch = policy.temperature_mismatch(self.decoding)
@@ -236,11 +236,15 @@ class SpeculativeDecoder:
         pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
         policy.start_sequence()
         max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2
-        if self.static_cache and max_len > self.max_cache_len:
+        if (self.static_cache or self.compile_draft) and max_len > self.max_cache_len:
             raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds max_cache_len={self.max_cache_len}")
         block = policy.cap() + 1  # the longest feed of a round: K drafted tokens after the last emitted one
-        draft = _LM(pair.draft, self.static_cache, self.max_cache_len, self.compile, compiled_up_to=block)
-        target = _LM(pair.target, self.static_cache, self.max_cache_len, self.compile, compiled_up_to=block)
+        # The draft is fed one token a step, two at a round's start after every draft was accepted (the
+        # last drafted token and the bonus): those two lengths compile; the prompt's prefill runs eagerly.
+        cache_len = static_cache_length(max_len, self.max_cache_len)
+        draft = _LM(pair.draft, self.static_cache or self.compile_draft, cache_len, self.compile_draft,
+                    compiled_up_to=block if self.compile else 2)
+        target = _LM(pair.target, self.static_cache, cache_len, self.compile, compiled_up_to=block)
         timer = _Timer(target.device)
         gen = None
         if not greedy:
@@ -264,6 +268,15 @@ class SpeculativeDecoder:
             draft.feed(seq[:-1], keep_logits=1)
             t0 = timer.add("prefill", t0)
             target.feed(seq[:-1], keep_logits=1)
+            timer.add("prefill", t0)
+        if self.compile_draft and (cache_len, need_hidden) not in self._compiled_for:
+            # Compile both feed lengths now, so the first request (a benchmark's warm-up) pays for them,
+            # not some later round.
+            t0 = timer.now()
+            for n in (2, 1):
+                draft.feed(seq[-1:] * n, keep_logits=1, hidden=need_hidden, layer=policy.hidden_layer)
+                draft.rollback(len(seq) - 1)
+            self._compiled_for.add((cache_len, need_hidden))
             timer.add("prefill", t0)
 
         while len(out) < max_new_tokens:

@@ -61,6 +61,10 @@ class DecodeSettings(PairSettings):
     """Use a static KV cache (CUDA regime)."""
     compile: bool = setting(False, flags=("--compile",))
     """torch.compile both models (implies --static-cache)."""
+    compile_draft: bool = setting(False, flags=("--compile-draft",))
+    """torch.compile the draft's steps alone, over a static cache (a CPU's one-token draft steps lose
+    most to kernel launches; benchmarks/compiled_draft_step.py measures whether it pays); the first
+    request pays the compile."""
     allow_draft_mismatch: bool = setting(False, flags=("--allow-draft-mismatch",))
     """Load an export made for another draft/tokenizer."""
 
@@ -126,8 +130,8 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         if node_head is not None:
             raise UserError(f"{args.policy} carries its own node head; drop --node-head")
         node_head = exported[1]
-    if (shape is not None or pearl is not None) and (args.static_cache or args.compile):
-        flag = "--compile" if args.compile else "--static-cache"
+    if (shape is not None or pearl is not None) and (args.static_cache or args.compile or args.compile_draft):
+        flag = "--compile" if args.compile else "--compile-draft" if args.compile_draft else "--static-cache"
         kind = "tree" if shape is not None else "parallel"
         raise UserError(f"{flag} is for chain policies; {kind} policy {args.policy} runs on a dynamic KV cache - drop {flag}")
     decoding = DecodingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -146,7 +150,8 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
     else:
         policy = StoppingPolicy.for_pair(args.policy, pair, allow_draft_mismatch=args.allow_draft_mismatch)
-        decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile)
+        decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile,
+                                     compile_draft=args.compile_draft)
     prompt_ids = render(text, pair.tokenizer, args.chat_template, args.system_prompt)
     check_fits(
         pair, len(prompt_ids) + args.max_new_tokens,

@@ -130,7 +130,7 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     block = context[context_tokens : context_tokens + n_block]
     if len(block) < n_block:
         raise UserError(f"context too short: need {context_tokens + n_block} tokens, have {len(context)}")
-    draft = CachedForward(pair.draft, ctx)
+    draft = CachedForward(pair.draft, ctx, compiled=bool(getattr(pair, "compile_draft", False)))
     target = CachedForward(pair.target, ctx)
     # Warm-up: allocator, kernel choice (oneDNN primitives per shape), caches.
     draft.time_feed(block[:1])
@@ -276,6 +276,8 @@ def machine_record(pair, context_tokens: int) -> dict:
     }
     if getattr(pair.draft_identity, "quant", None):  # the same key calibrate-cost --engine vllm writes
         rec["draft_quant"] = pair.draft_identity.quant
+    if getattr(pair, "compile_draft", False):
+        rec["draft_compiled"] = True
     if dev.type == "cuda":
         rec["gpu"] = torch.cuda.get_device_name(dev)
     return rec

@@ -70,6 +70,9 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
     """int8 | int4: the draft's weights in weight-only int8/int4 (specstop.pair.quantize), here or, with
     --engine vllm, in specstop's proposer inside vLLM; null = as loaded."""
+    compile_draft: bool = setting(False, flags=("--compile-draft",), negatable=False)
+    """Time the draft's steps as `specstop decode --compile-draft` runs them: torch.compile over a static
+    KV cache (the first step of each length compiles, untimed); --engine transformers only."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
     engine_starts: int = setting(2, flags=("--engine-starts",))
@@ -121,6 +124,9 @@ def run(args: CalibrateSettings) -> int:
     engine = str(args.engine).strip().lower()
     if engine not in ("transformers", "vllm", "llamacpp"):
         raise UserError(f"--engine {args.engine!r}: choose transformers (specstop's decoders), vllm or llamacpp")
+    if args.compile_draft and engine != "transformers":
+        raise UserError(f"--compile-draft times specstop's own decoders' draft; --engine {engine} runs its own "
+                        "kernels - drop --compile-draft")
     if engine == "vllm":
         return _run_vllm(args, k_grid)
     if engine == "llamacpp":
@@ -138,6 +144,8 @@ def run(args: CalibrateSettings) -> int:
     check_writable(args.out, "--out", kind="file")  # before minutes of timing, not after
     pair = load_named_pair(args.pair, draft=args.draft, target=args.target, dtype=args.dtype, device=args.device,
                            draft_quant=args.draft_quant)
+    if args.compile_draft:
+        pair = pair.with_compiled_draft()
     from specstop.pair.context import check_fits
 
     check_fits(pair, (args.context_tokens or 0) + max(k_grid) + 1, f"--context-tokens {args.context_tokens} plus a "

@@ -104,6 +104,8 @@ class ModelPair:
         draft, target: ``PreTrainedModel`` in eval mode.
         tokenizer: the shared tokenizer (the target's copy).
         vocab_size: the shared vocabulary length; logits are compared on ``[:vocab_size]``.
+        compile_draft: the draft's decode steps run under ``torch.compile`` over a static KV cache, in
+            the chain decoder and in calibrate-cost's timings alike (:meth:`with_compiled_draft`).
     """
 
     draft: Any
@@ -116,6 +118,13 @@ class ModelPair:
     name: str | None = None
     extra: dict = field(default_factory=dict)
     dtype_choice: dict | None = None
+    compile_draft: bool = False
+
+    def with_compiled_draft(self) -> ModelPair:
+        """The same loaded models, the draft's steps compiled (see ``compile_draft``)."""
+        from dataclasses import replace
+
+        return replace(self, compile_draft=True)
 
     @property
     def draft_device(self) -> torch.device:
