@@ -697,6 +697,16 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _method_by_b(record: dict, cell) -> list[str]:
+    """A table with a row per method and a column per batch size: ``cell(method, b, summary row or {})``."""
+    sizes = record["settings"]["batch_sizes"]
+    lines = ["| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for m in record["methods"]:
+        row_of = record["summary"].get(m["name"], {})
+        lines.append(f"| {m['name']} | " + " | ".join(cell(m, b, row_of.get(str(b)) or {}) for b in sizes) + " |")
+    return lines
+
+
 def runner_k(method: dict, b: int) -> int | None:
     """The K vLLM's own runner drafts at ``b`` rows for ``method`` (0 without speculation); None for
     specstop's proposer, whose drafts vary."""
@@ -717,23 +727,21 @@ def _steps_markdown(record: dict) -> list[str]:
     if not any((summary.get(m["name"], {}).get(str(b)) or {}).get("steps") for m in record["methods"] for b in sizes):
         return []
     calibrated = record.get("runner_steps") or {}
+
+    def cell(m: dict, b: int, row: dict) -> str:
+        st = row.get("steps")
+        if not st or st["full_median_s"] is None:
+            return "-"
+        k = runner_k(m, b)
+        cal = ((calibrated.get(str(b)) or {}).get(str(k)) or {}).get("step_s") if k is not None else None
+        return (f"{st['full_median_s'] * 1e3:.0f} ({st['full_steps']})" + (f" [{cal * 1e3:.0f}]" if cal else "")
+                + f", {_fmt(st['partial_share'], '.0%')}")
+
     lines = ["", "Decode steps as the engine timed them (each engine step on its own): the median step in which "
              "all B rows decoded, in ms, with the number of such steps; in brackets the cost model's step for "
              "vLLM's runner at that B and K where calibrate-cost timed it; then the share of decode time spent "
-             "in steps with fewer rows (requests that finished early):", "",
-             "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for m in record["methods"]:
-        cells = []
-        for b in sizes:
-            st = (summary.get(m["name"], {}).get(str(b)) or {}).get("steps")
-            if not st or st["full_median_s"] is None:
-                cells.append("-")
-                continue
-            k = runner_k(m, b)
-            cal = ((calibrated.get(str(b)) or {}).get(str(k)) or {}).get("step_s") if k is not None else None
-            cells.append(f"{st['full_median_s'] * 1e3:.0f} ({st['full_steps']})"
-                         + (f" [{cal * 1e3:.0f}]" if cal else "") + f", {_fmt(st['partial_share'], '.0%')}")
-        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+             "in steps with fewer rows (requests that finished early):", ""]
+    lines += _method_by_b(record, cell)
     return lines
 
 
@@ -772,11 +780,8 @@ def markdown(record: dict) -> str:
             ident = f"{row['identical']}/{row['prompts']}" if "identical" in row else "-"
             lines.append(f"| {name} | {b} | {t['median']:.2f} | {t['min']:.2f}-{t['max']:.2f} | {t['q1']:.2f}-{t['q3']:.2f} "
                          f"| {_fmt(row['speedup'], '.3f')} | {ident} | {_fmt(row['accepted_per_draft'])} | {_fmt(row['draft_len'])} |")
-    lines += ["", "Speedup over no speculation (median tok/s ratio):", "",
-              "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-    for m in record["methods"]:
-        cells = [_fmt((summary.get(m["name"], {}).get(str(b)) or {}).get("speedup"), ".3f") for b in sizes]
-        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "Speedup over no speculation (median tok/s ratio):", ""]
+    lines += _method_by_b(record, lambda m, b, row: _fmt(row.get("speedup"), ".3f"))
     predicted = [(m["name"], b, summary[m["name"]][str(b)]) for m in record["methods"] for b in sizes
                  if (summary.get(m["name"], {}).get(str(b)) or {}).get("predicted_speedup")]
     decode = [(m["name"], b, summary[m["name"]][str(b)]) for m in record["methods"] for b in sizes
@@ -784,15 +789,9 @@ def markdown(record: dict) -> str:
     if decode:
         lines += ["", "The decode phase alone (generated tokens after each request's first, timed from the last first "
                   "token to the last token, vLLM's own per-request timestamps; prefill left out): median tok/s and "
-                  "speedup over no_spec's decode phase:", "",
-                  "| method | " + " | ".join(f"B={b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-        for m in record["methods"]:
-            cells = []
-            for b in sizes:
-                row = summary.get(m["name"], {}).get(str(b)) or {}
-                cells.append(f"{row['decode_tok_s']['median']:.2f} ({_fmt(row.get('decode_speedup'), '.3f')}x)"
-                             if row.get("decode_tok_s") else "-")
-            lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+                  "speedup over no_spec's decode phase:", ""]
+        lines += _method_by_b(record, lambda m, b, row: f"{row['decode_tok_s']['median']:.2f} "
+                              f"({_fmt(row.get('decode_speedup'), '.3f')}x)" if row.get("decode_tok_s") else "-")
     if predicted:
         lines += ["", "Predicted (the engines file's replay, priced by its cost model; the decode phase, since "
                   "prefill is not priced) against measured:", "",
