@@ -1,11 +1,12 @@
 """Does a compiled draft step pay on this CPU? One-token decode steps, eager against ``torch.compile``.
 
-The decoders step the draft eagerly with a DynamicCache: every step launches every layer's kernels from
-Python. This script times the same one-token steps two ways, on one model of a pair (the draft, or the
+By default the chain decoder steps the draft eagerly with a DynamicCache: every step launches every
+layer's kernels from Python (``compile_draft`` / ``--compile-draft`` runs it compiled instead). This
+script times the same one-token steps two ways, on one model of a pair (the draft, or the
 target as its own draft), optionally with its linear layers in weight-only int8/int4
 (:func:`specstop.pair.quantize.quantize_weights`):
 
-* **eager**: ``model(token, past_key_values=DynamicCache)``, as the decoders run it;
+* **eager**: ``model(token, past_key_values=DynamicCache)``, as the decoders run it by default;
 * **compiled**: the forward under ``torch.compile(dynamic=False)`` over a ``StaticCache`` (fixed shapes, so
   one graph serves every step), the launch overhead the compiler can remove.
 
