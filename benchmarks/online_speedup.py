@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     variant_cost = {n: load_cost_model(p)
                     for n, p in named_paths(args.quant_cost, "--quant-cost", [*quantized, *selfs, *compiled]).items()}
     variant_data = named_paths(args.quant_data, "--quant-data", [*quantized, *selfs])
-    if args.data:
+    if args.data and compiled:
         variant_data["compiled"] = args.data
     variant_data.update({n: variant_data[n.removesuffix("+compiled")] for n, _ in compiled
                          if n.removesuffix("+compiled") in variant_data})
