@@ -39,7 +39,9 @@ Methods:
     ours[int4 / self-int4] LO/HI --multi-level LO/HI (repeatable): multi-level speculation
                         (specstop.decode.multilevel): the pair's draft in --multi-level-quant drafts for the
                         target in that scheme under policy LO, which drafts for the target under policy HI;
-                        each level's tokens per round reported, no prediction
+                        each level's tokens per round reported; with --multi-level-cost (a level_cost.json of
+                        benchmarks/multi_level.py) the stack's tokens on the run's prompts are recorded first
+                        and its exact replay, priced with those timings, is the prediction (greedy)
 
 Reported per method: median over prompts of per-prompt speedups with a bootstrap 90% interval (end to
 end and decode-only), tokens per round, measured seconds per round beside the cost model's
@@ -95,9 +97,11 @@ def self_drafts(pair, schemes: str) -> list[tuple[str, object]]:
 
 
 def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, selfs: list,
-                        decoding=None) -> tuple[list, dict]:
+                        decoding=None, *, level_cost=None, prompts=None, max_new: int = 0) -> tuple[list, dict]:
     """One method per ``LO/HI`` of ``texts``: the pair's draft in ``scheme`` drafts (policy LO) for the target in
     ``scheme``, which drafts (policy HI) for the target; reuses the run's quantized copies when it has them.
+    With ``level_cost`` (a LevelCost) and ``prompts`` (``[(name, ids)]``), greedy: the three models' tokens on
+    those prompts are recorded first and each method's prediction is its exact replay priced by that cost.
     Returns the methods and ``{method name: [per-run level counters]}``, filled as they run."""
     import dataclasses
 
@@ -112,15 +116,18 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
     bottom = dict(quantized).get(scheme) or quantized_pairs(pair, scheme)[0][1]
     middle = dict(selfs).get(f"self-{scheme}") or self_drafts(pair, scheme)[0][1]
     methods, levels = [], {}
+    stacks = []
     for text in texts:
         parts = text.split("/")
         if len(parts) != 2:
             raise SystemExit(f"--multi-level {text}: give two policies, LO/HI (the draft's for the quantized target, "
                              "then the quantized target's for the target), e.g. static:3/confidence:0.6")
         try:
-            dec = MultiLevelDecoder(bottom, [middle.draft], parts, decoding)
+            stacks.append((text, parts, MultiLevelDecoder(bottom, [middle.draft], parts, decoding)))
         except UserError as err:
             raise SystemExit(f"--multi-level {text}: {err}") from None
+    predicted = level_predictions(bottom, middle, [p for _, p, _ in stacks], level_cost, prompts, max_new)
+    for (text, _, dec), pred in zip(stacks, predicted):
         name = f"ours[{scheme} / self-{scheme}] {text}"
         fn, runs = online.decoder_method(name, dec).fn, levels.setdefault(name, [])
 
@@ -129,8 +136,33 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
             runs.append(dec.last_levels)
             return dataclasses.replace(out, k_hist=None)  # a chain's K histogram would price it as one
 
-        methods.append(online.Method(name, run, seeded=True))
+        methods.append(online.Method(name, run, same_prompts=pred, seeded=True))
     return methods, levels
+
+
+def level_predictions(bottom, middle, combos: list[list[str]], level_cost, prompts, max_new: int) -> list:
+    """Per combination of rules, the exact replay of the stack on ``prompts`` priced by ``level_cost`` (a
+    SamePromptsReplay), after recording the three models' tokens there; Nones without a cost."""
+    if level_cost is None or not prompts:
+        return [None] * len(combos)
+    from specstop.decode.chain import eos_token_ids
+    from specstop.errors import UserError
+    from specstop.eval.levels import replay_levels
+    from specstop.eval.same_prompts import SamePromptsReplay
+    from specstop.measure.level_record import record_levels
+
+    if len(level_cost.names) != 3:
+        raise SystemExit(f"--multi-level-cost times a stack of {len(level_cost.names)} models; the run's has 3")
+    records = record_levels([bottom.draft, middle.draft, bottom.target], prompts, max_new, combos,
+                            vocab_size=bottom.vocab_size, eos=eos_token_ids(bottom))
+    out = []
+    for combo in combos:
+        try:
+            rep = replay_levels(records, combo, level_cost)
+        except UserError as err:
+            raise SystemExit(f"--multi-level {'/'.join(combo)}: {err}") from None
+        out.append(SamePromptsReplay(rep.speedup, None, rep.tokens, rep.per_prompt, rep.tokens_per_round[-1]))
+    return out
 
 
 def level_summary(runs: list[list[dict]]) -> str:
@@ -313,6 +345,9 @@ def main(argv=None) -> int:
                     "the target, e.g. static:3/confidence:0.6 (repeatable)")
     ap.add_argument("--multi-level-quant", default="int4", metavar="SCHEME",
                     help="the scheme of both lower levels of --multi-level (default int4)")
+    ap.add_argument("--multi-level-cost", metavar="FILE",
+                    help="level_cost.json of benchmarks/multi_level.py: the run records the stack's tokens on its "
+                    "prompts and predicts each --multi-level run by its exact replay priced with it (greedy)")
     ap.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature (0 = greedy); default: --data's, else greedy")
     ap.add_argument("--top-k", type=int, default=None, help="top-k under sampling (0 = off); default: --data's")
@@ -473,8 +508,17 @@ def main(argv=None) -> int:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
     levels = {}
     if args.multi_level:
+        level_cost = None
+        if args.multi_level_cost and decoding.greedy:
+            from specstop.eval.levels import LevelCost
+
+            level_cost = LevelCost.load(args.multi_level_cost)
+        elif args.multi_level_cost:
+            print("--multi-level-cost: the multi-level replay is greedy; sampled runs are not predicted")
         stacked, levels = multi_level_methods(pair, args.multi_level, args.multi_level_quant, quantized, selfs,
-                                              decoding)
+                                              decoding, level_cost=level_cost,
+                                              prompts=list(zip(names or map(str, range(len(prompts))), prompts)),
+                                              max_new=max_new)
         methods.extend(stacked)
     if args.hf_default:
         methods.append(online.hf_assisted_method("hf-default", pair))

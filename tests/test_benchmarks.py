@@ -43,6 +43,7 @@ SMOKE = {
 SMOKE_ELSEWHERE = {
     "batch_throughput.py": ("test_batch_schedule.py", "test_batch_throughput_benchmark_runs"),
     "stopping_ceiling.py": ("test_stopping_ceiling.py", "test_the_benchmark_writes_feature_aurocs_and_validation_tuned_shapes"),
+    "multi_level.py": ("test_benchmarks.py", "test_multi_level_tunes_a_stack_and_online_speedup_predicts_it"),
     # vLLM runs in its own venv: marked `vllm` (make test-vllm), skipped without it (below).
     "vllm_serving.py": ("test_benchmarks.py", "test_vllm_serving_smoke_run"),
 }
@@ -293,6 +294,37 @@ def test_online_speedup_runs_a_quantized_drafts_export_on_that_draft_and_multi_l
     (name, runs), = record["levels"].items()
     assert name == "ours[int8 / self-int8] static:2/confidence:0.5" and name in rows
     assert [lv["name"] for lv in runs[0]] == ["level0", "level1", "target"] and runs[0][2]["rounds"] > 0
+
+
+def test_multi_level_tunes_a_stack_and_online_speedup_predicts_it(tiny_pair_dir, tmp_path, monkeypatch):
+    """multi_level.py times the stack's forwards, records and ranks every combination of the grids; its
+    level_cost.json then prices online_speedup's --multi-level runs by their exact replay on the run's prompts,
+    which counts the decoder's own target rounds (float32, greedy)."""
+    monkeypatch.chdir(tmp_path)
+    levels = tmp_path / "levels"
+    old_threads = torch.get_num_threads()
+    try:
+        assert run_script(BENCH / "multi_level.py", [
+            "--pair", str(tiny_pair_dir), "--prompt", "hello", "--prompt", "a longer prompt here", "--limit", "2",
+            "--max-new-tokens", "6", "--quant", "int8", "--bottom", "static:1,confidence:0.5", "--top", "static:2,static:3",
+            "--budget-s", "0", "--dtype", "float32", "--device", "cpu", "--out", str(levels)]) == 0
+        tuned = json.loads((levels / "tuned.json").read_text())
+        assert len(tuned["ranked"]) == 4 and tuned["best"] == tuned["ranked"][0]["policies"]
+        assert tuned["ranked"][0]["speedup"] >= tuned["ranked"][-1]["speedup"] > 0
+        assert json.loads((levels / "level_cost.json").read_text())["names"] == ["int8 draft", "self-int8", "target"]
+        out = tmp_path / "online.json"
+        assert run_script(BENCH / "online_speedup.py", [
+            "--pair", str(tiny_pair_dir), "--prompt", "hello", "--limit", "1", "--repeats", "1", "--max-new-tokens", "6",
+            "--dtype", "float32", "--device", "cpu", "--policy", "static:2", "--multi-level", "/".join(tuned["best"]),
+            "--multi-level-quant", "int8", "--multi-level-cost", str(levels / "level_cost.json"), "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    record = json.loads(out.read_text())
+    (name, runs), = record["levels"].items()
+    row = record["summary"]["rows"][name]
+    assert row["replay_same_prompts"] > 0 and row["greedy_diffs"] == 0
+    rounds = runs[0][2]["rounds"]  # the decoder's target rounds; the replay's tokens per target round match them
+    assert row["replay_tokens_per_round"] == pytest.approx(len(record["runs"][name][0][0]["tokens"]) / rounds)
 
 
 def test_online_speedup_runs_each_chain_again_with_a_compiled_draft(tiny_pair_dir, tmp_path, monkeypatch):
