@@ -56,6 +56,26 @@ def test_the_replay_counts_what_the_decoder_ran(stack, combo):
             assert have == want, (name, combo, got["name"])
 
 
+def test_a_response_that_ends_in_eos_replays_as_decoded():
+    """The target's path ends at EOS before the budget: rounds that draft up to it stop there, and the
+    replay still counts the decoder's forwards (the target's token after EOS is cut, as in the decoder)."""
+    pair = tiny_pair(seed=5, **SHAPE)
+    middle = _noisy_copy(pair.target, 0.05, seed=1)
+    probe = record_levels([pair.draft, middle, pair.target], PROMPTS[:1], BUDGET, [], vocab_size=pair.vocab_size,
+                          eos=eos_token_ids(pair), progress=False)[0]
+    pair.target.generation_config.eos_token_id = probe.path[7]  # the 8th token of the response ends it
+    eos = eos_token_ids(pair)
+    assert probe.path[7] not in probe.path[:7]
+    records = record_levels([pair.draft, middle, pair.target], PROMPTS[:1], BUDGET, COMBOS, vocab_size=pair.vocab_size,
+                            eos=eos, progress=False)
+    assert records[0].path == probe.path[:8]
+    for combo in COMBOS:
+        res = MultiLevelDecoder(pair, [middle], combo).generate(PROMPTS[0][1], BUDGET)
+        rep = replay_levels(records, combo)
+        assert res.token_ids == records[0].path and rep.tokens == [8]
+        assert [lv["forwards"] for lv in res.counters["levels"]] == rep.forwards, combo
+
+
 def test_a_priced_replay_charges_each_forward_by_its_rows(stack):
     _, _, records = stack
     flat = LevelCost(["d", "m", "t"], [{1: 1.0, 2: 1.0}, {1: 2.0}, {1: 4.0}])  # rows do not matter

@@ -202,6 +202,8 @@ class _Sim:
     def _next(self, level: int, resp: list[int]) -> tuple[int, float]:
         """``level``'s greedy token (and its top-1 probability) after the response prefix ``resp``."""
         if level == self.top:
+            if len(resp) >= len(self.rec.path):  # past the path's EOS: the decoder cuts its block there
+                return self.rec.path[-1], 1.0
             return self.rec.path[len(resp)], 1.0
         key = tuple(resp)
         step = self.rec.steps[level].get(key)
