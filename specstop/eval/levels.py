@@ -211,13 +211,12 @@ class _Sim:
             if self.fill is None:
                 made = ", ".join(" / ".join(c) for c in self.rec.policies) or "none"
                 raise UserError(f"prompt {self.rec.prompt_id}: these policies reach a prefix the record lacks (it "
-                                f"was made for {made}): record them too (benchmarks/multi_level.py --grid)")
+                                f"was made for {made}): record them too (benchmarks/multi_level.py --bottom / --top)")
             step = self.rec.steps[level][key] = self.fill(level, self.rec.prompt + resp)
         return step
 
     def _tokens(self, level: int, resp: list[int], cap: int, pol: RoundPolicy | None, reads: bool) -> list[int]:
         """Up to ``cap`` tokens of ``level`` after ``resp`` (``MultiLevelDecoder._tokens``)."""
-        plen = len(self.rec.prompt)
         tokens: list[int] = []
         while len(tokens) < cap:
             here = resp + tokens
@@ -232,7 +231,7 @@ class _Sim:
                 if pol is not None:
                     if reads and self.cost is not None:
                         self.seconds[-1] += self.cost.policy_step
-                    position = plen + len(resp) + len(tokens) - 1 - plen
+                    position = len(resp) + len(tokens) - 1  # 0-based response position of this token
                     stop = pol.should_stop(StepFeatures(j=len(tokens), position=position, top1=top1))
                 if stop or tok in self.eos or len(tokens) >= cap:
                     return tokens
