@@ -50,6 +50,8 @@ K histogram, the replay of the same prompts at the same budget (--data with --co
 K for K with the decoder's), the eval report's whole-split replay (--replay-report, shown only), every
 method against --reference paired per prompt beside the replay's paired ratio, flags where measured and
 predicted differ by more than 10%, and every greedy difference from the target with its top-2 logit gap.
+With --retime the drafts' steps and the target's verification are also timed between prompts
+(specstop.measure.in_run_cost), every prediction is priced again with those timings, and both are shown.
 
 Example (the reference pair, this machine's calibration, a dataset's held-out prompts):
     specstop calibrate-cost --pair qwen2.5-coder-0.5b-1.5b --data runs/quickstart/data --out cost.json
@@ -102,7 +104,8 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
     ``scheme``, which drafts (policy HI) for the target; reuses the run's quantized copies when it has them.
     With ``level_cost`` (a LevelCost) and ``prompts`` (``[(name, ids)]``), greedy: the three models' tokens on
     those prompts are recorded first and each method's prediction is its exact replay priced by that cost.
-    Returns the methods and ``{method name: [per-run level counters]}``, filled as they run."""
+    Returns the methods, ``{method name: [per-run level counters]}`` (filled as they run) and what re-pricing
+    needs: ``{"records": LevelRecords or None, "combos": {method name: rules}, "scheme", "bottom", "middle"}``."""
     import dataclasses
 
     from specstop.decode.multilevel import MultiLevelDecoder
@@ -115,7 +118,7 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
         raise SystemExit("--multi-level needs a --multi-level-quant scheme (int8 or int4)")
     bottom = dict(quantized).get(scheme) or quantized_pairs(pair, scheme)[0][1]
     middle = dict(selfs).get(f"self-{scheme}") or self_drafts(pair, scheme)[0][1]
-    methods, levels = [], {}
+    methods, levels, stacked = [], {}, {}
     stacks = []
     for text in texts:
         parts = text.split("/")
@@ -126,8 +129,11 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
             stacks.append((text, parts, MultiLevelDecoder(bottom, [middle.draft], parts, decoding)))
         except UserError as err:
             raise SystemExit(f"--multi-level {text}: {err}") from None
-    predicted = level_predictions(bottom, middle, [p for _, p, _ in stacks], level_cost, prompts, max_new)
-    for (text, _, dec), pred in zip(stacks, predicted):
+    records = None
+    if level_cost is not None and prompts:
+        records = record_stack(bottom, middle, [p for _, p, _ in stacks], level_cost, prompts, max_new)
+    for text, parts, dec in stacks:
+        pred = level_replay(records, parts, level_cost) if records is not None else None
         name = f"ours[{scheme} / self-{scheme}] {text}"
         fn, runs = online.decoder_method(name, dec).fn, levels.setdefault(name, [])
 
@@ -137,32 +143,34 @@ def multi_level_methods(pair, texts: list[str], scheme: str, quantized: list, se
             return dataclasses.replace(out, k_hist=None)  # a chain's K histogram would price it as one
 
         methods.append(online.Method(name, run, same_prompts=pred, seeded=True))
-    return methods, levels
+        stacked[name] = parts
+    return methods, levels, {"records": records, "combos": stacked, "scheme": scheme, "bottom": bottom.draft,
+                             "middle": middle.draft}
 
 
-def level_predictions(bottom, middle, combos: list[list[str]], level_cost, prompts, max_new: int) -> list:
-    """Per combination of rules, the exact replay of the stack on ``prompts`` priced by ``level_cost`` (a
-    SamePromptsReplay), after recording the three models' tokens there; Nones without a cost."""
-    if level_cost is None or not prompts:
-        return [None] * len(combos)
+def record_stack(bottom, middle, combos: list[list[str]], level_cost, prompts, max_new: int) -> list:
+    """The three models' tokens on ``prompts`` wherever ``combos``' rounds reach (LevelRecords)."""
     from specstop.decode.chain import eos_token_ids
-    from specstop.errors import UserError
-    from specstop.eval.levels import replay_levels
-    from specstop.eval.same_prompts import SamePromptsReplay
     from specstop.measure.level_record import record_levels
 
     if len(level_cost.names) != 3:
         raise SystemExit(f"--multi-level-cost times a stack of {len(level_cost.names)} models; the run's has 3")
-    records = record_levels([bottom.draft, middle.draft, bottom.target], prompts, max_new, combos,
-                            vocab_size=bottom.vocab_size, eos=eos_token_ids(bottom))
-    out = []
-    for combo in combos:
-        try:
-            rep = replay_levels(records, combo, level_cost)
-        except UserError as err:
-            raise SystemExit(f"--multi-level {'/'.join(combo)}: {err}") from None
-        out.append(SamePromptsReplay(rep.speedup, None, rep.tokens, rep.per_prompt, rep.tokens_per_round[-1]))
-    return out
+    return record_levels([bottom.draft, middle.draft, bottom.target], prompts, max_new, combos,
+                         vocab_size=bottom.vocab_size, eos=eos_token_ids(bottom))
+
+
+def level_replay(records: list, combo: list[str], level_cost):
+    """The exact replay of the stack with ``combo`` on ``records``, priced by ``level_cost``, as the
+    SamePromptsReplay an online method's prediction is."""
+    from specstop.errors import UserError
+    from specstop.eval.levels import replay_levels
+    from specstop.eval.same_prompts import SamePromptsReplay
+
+    try:
+        rep = replay_levels(records, combo, level_cost)
+    except UserError as err:
+        raise SystemExit(f"--multi-level {'/'.join(combo)}: {err}") from None
+    return SamePromptsReplay(rep.speedup, None, rep.tokens, rep.per_prompt, rep.tokens_per_round[-1])
 
 
 def level_summary(runs: list[list[dict]]) -> str:
@@ -292,6 +300,79 @@ def run_decoding(args, generation: dict | None):
     return DecodingConfig() if decoding.greedy else decoding
 
 
+def in_run_timing(args, pair, cost, variant_cost: dict, variants: list, stack: dict | None, prompts: list,
+                  max_new: int):
+    """An InRunTiming of the target, the float draft (priced by ``cost``) and every variant with a cost model,
+    plus a multi-level stack's middle model (its level cost), at ``--data``'s decoding context (calibrate-cost's),
+    else at the run's prompts' mean length plus half the budget."""
+    from specstop.measure.calibrate import context_from_data
+    from specstop.measure.in_run_cost import InRunTiming
+
+    drafts = {"": (pair.draft, getattr(pair, "compile_draft", False))} if cost is not None else {}
+    drafts.update({n: (q.draft, getattr(q, "compile_draft", False)) for n, q in variants if n in variant_cost})
+    ks = {k for c in [cost, *variant_cost.values()] if c is not None for k in (c.target_by_k or {0: 0})}
+    middle, bottom_rows = None, (1,)
+    if stack and stack.get("cost") is not None:
+        level = stack["cost"]
+        ks |= {n - 1 for n in level.forward[-1]}
+        middle, bottom_rows = (stack["middle"], list(level.forward[1])), tuple(sorted(level.forward[0]))
+        drafts.setdefault(stack["scheme"], (stack["bottom"], False))
+    if not drafts and middle is None:
+        raise SystemExit("--retime re-prices predictions: give --cost, --quant-cost or --multi-level-cost")
+    if args.data:
+        context, length = context_from_data(args.data)
+    else:
+        flat = [t for ids in prompts for t in ids]
+        length = int(sum(map(len, prompts)) / len(prompts) + max_new / 2)
+        context, length = (flat * (1 + length // len(flat)))[:length], length
+    print(f"--retime: timing the target at K = {sorted(ks)}, drafts {', '.join(n or 'float' for n in drafts)}"
+          + (" and the middle level" if middle else "") + " between prompts")
+    return InRunTiming(pair.target, drafts, context[:length], [k + 1 for k in sorted(ks)], middle=middle,
+                       bottom_rows=bottom_rows)
+
+
+def reprice(timing, methods: list, cost, variant_cost: dict, replays: dict, stack: dict | None, split: str,
+            names, max_new: int):
+    """Every method's cost model and same-prompts replay priced again with ``timing``'s costs (in place);
+    returns the run's re-timed cost model."""
+    from specstop.eval.same_prompts import replay_policies
+
+    timed = {who.split(":", 1)[1] for who, _ in timing.samples if who.startswith("draft:")}
+    own = {n: timing.cost_for(c, n) for n, c in variant_cost.items() if n in timed}
+    retimed = timing.cost_for(cost, "") if cost is not None else None
+    for m in methods:
+        if m.cost is not None:
+            m.cost = next((own[n] for n, c in variant_cost.items() if c is m.cost and n in own), m.cost)
+        if m.name in replays:
+            data, pol, draft = replays[m.name]
+            c = retimed if draft == "" else own.get(draft)
+            if c is not None:
+                m.same_prompts = replay_policies(data, split, names, max_new, {m.name: pol}, c)[m.name]
+        if stack and stack.get("records") is not None and m.name in stack["combos"]:
+            level = timing.level_cost_for(stack["cost"], stack["scheme"])
+            m.same_prompts = level_replay(stack["records"], stack["combos"][m.name], level)
+    return retimed if retimed is not None else cost
+
+
+def retimed_markdown(calibrated: dict, retimed: dict) -> str:
+    """Per method: measured decode speedup, its prediction by the calibrations and by the in-run timings."""
+    lines = ["| method | decode speedup | predicted (calibration) | predicted (re-timed in the run) |",
+             "|---|---:|---:|---:|"]
+    for name, row in retimed["rows"].items():
+        if row["kind"] == "baseline":
+            continue
+        cal = calibrated["rows"][name]
+        pick = [r.get("replay_same_prompts") or r.get("predicted_decode_speedup") for r in (cal, row)]
+        meas = (row.get("decode_speedup") or (None,))[0]
+        cells = [f"{p:.2f}x ({100 * (meas / p - 1):+.0f}%)" if p and meas else "-" for p in pick]
+        lines.append(f"| {name} | {_fmt(meas)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return f"{x:.2f}x" if x else "-"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
@@ -345,6 +426,9 @@ def main(argv=None) -> int:
                     "the target, e.g. static:3/confidence:0.6 (repeatable)")
     ap.add_argument("--multi-level-quant", default="int4", metavar="SCHEME",
                     help="the scheme of both lower levels of --multi-level (default int4)")
+    ap.add_argument("--retime", action="store_true",
+                    help="time the target's verification and every priced draft's step between prompts (at --data's "
+                    "decoding context) and price the predictions with those timings too, beside the calibrations'")
     ap.add_argument("--multi-level-cost", metavar="FILE",
                     help="level_cost.json of benchmarks/multi_level.py: the run records the stack's tokens on its "
                     "prompts and predicts each --multi-level run by its exact replay priced with it (greedy)")
@@ -413,9 +497,11 @@ def main(argv=None) -> int:
         if (vdata and vcost is not None and names is not None
                 and applies(read_manifest(vdata)["generation"], max_new, decoding)):
             replay = replay_policies(vdata, args.split, names, max_new, {label: pol}, vcost)[label]
+            replays[label] = (vdata, pol, scheme)
         return online.decoder_method(label, SpeculativeDecoder(qpair, pol, decoding, **kw), spec=pol.spec,
                                      cost=vcost, priced=vcost is not None, same_prompts=replay)
 
+    replays: dict[str, tuple] = {}  # method -> (dataset, policy, draft) of its same-prompts replay, to re-price
     base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), decoding, **kw)
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
     if args.hf_target:
@@ -498,6 +584,8 @@ def main(argv=None) -> int:
         dec = SpeculativeDecoder(pair, pol, decoding, **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
+        if name in same:
+            replays[f"ours {name}"] = (args.data, pol, "")
         for scheme, qpair in [*quantized, *selfs, *compiled]:
             if pol.spec.kind == "predictor" and scheme != "compiled":
                 print(f"ours[{scheme}] {name}: left out (a learned policy reads the float draft's features)")
@@ -506,7 +594,7 @@ def main(argv=None) -> int:
             methods.append(variant_method(f"ours[{scheme}] {name}", scheme, qpair, own_pol))
         if args.hf_policies:
             methods.append(online.hf_policy_method(f"hf+{name}", pair, pol))
-    levels = {}
+    levels, stack = {}, None
     if args.multi_level:
         level_cost = None
         if args.multi_level_cost and decoding.greedy:
@@ -515,11 +603,11 @@ def main(argv=None) -> int:
             level_cost = LevelCost.load(args.multi_level_cost)
         elif args.multi_level_cost:
             print("--multi-level-cost: the multi-level replay is greedy; sampled runs are not predicted")
-        stacked, levels = multi_level_methods(pair, args.multi_level, args.multi_level_quant, quantized, selfs,
-                                              decoding, level_cost=level_cost,
-                                              prompts=list(zip(names or map(str, range(len(prompts))), prompts)),
-                                              max_new=max_new)
+        stacked, levels, stack = multi_level_methods(
+            pair, args.multi_level, args.multi_level_quant, quantized, selfs, decoding, level_cost=level_cost,
+            prompts=list(zip(names or map(str, range(len(prompts))), prompts)), max_new=max_new)
         methods.extend(stacked)
+        stack["cost"] = level_cost
     if args.hf_default:
         methods.append(online.hf_assisted_method("hf-default", pair))
     if args.hf_stock:
@@ -530,15 +618,24 @@ def main(argv=None) -> int:
     if args.hf_heuristic:
         methods.append(online.hf_assisted_method("hf-heuristic", pair, num_assistant_tokens=5,
                                                  schedule="heuristic", confidence=None))
+    timing = None
+    if args.retime:
+        timing = in_run_timing(args, pair, cost, variant_cost, [*quantized, *selfs, *compiled], stack, prompts,
+                               max_new)
     try:
         meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=args.repeats,
-                              seeds=not decoding.greedy)
+                              seeds=not decoding.greedy, between=timing.sample if timing else None)
     finally:
         for dec in pearls:
             dec.close()
         if pearl_pool is not None:
             pearl_pool.close()
     flips = online.greedy_flips(pair, prompts, meas, "target") if decoding.greedy else []
+    calibrated = None
+    if timing is not None:  # the calibration's predictions first, then every cost re-timed in the run
+        calibrated = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference,
+                                      sampled=not decoding.greedy)
+        cost = reprice(timing, methods, cost, variant_cost, replays, stack, args.split, names, max_new)
     summary = online.summarize(meas, methods, baseline="target", cost=cost, flips=flips, reference=reference,
                                sampled=not decoding.greedy)
     print()
@@ -548,6 +645,10 @@ def main(argv=None) -> int:
         print(cost.provenance_line())
         print(f"cost model: {cost.describe()}")
     print(online.to_markdown(summary, flip_epsilon=args.flip_epsilon))
+    if calibrated is not None:
+        print(f"\nPredictions priced by the calibrations against priced by forwards re-timed in the run "
+              f"({timing.passes} passes between prompts):\n")
+        print(retimed_markdown(calibrated, summary))
     print()
     for name, r in summary["rows"].items():
         if r.get("phases_per_round"):
@@ -557,6 +658,7 @@ def main(argv=None) -> int:
         print(f"  {name}: {level_summary(runs)}")
     if args.out:
         doc = {"args": vars(args), "pair": pair.to_dict(), "cost": cost.to_dict() if cost else None,
+               "calibrated_summary": calibrated,
                "decoding": dataclasses.asdict(decoding), "summary": summary, "levels": levels,
                "runs": {m: [[r.__dict__ for r in rs] for rs in runs] for m, runs in meas.runs.items()}}
         Path(args.out).write_text(json.dumps(doc, indent=2, default=str))

@@ -316,13 +316,17 @@ def test_multi_level_tunes_a_stack_and_online_speedup_predicts_it(tiny_pair_dir,
         assert run_script(BENCH / "online_speedup.py", [
             "--pair", str(tiny_pair_dir), "--prompt", "hello", "--limit", "1", "--repeats", "1", "--max-new-tokens", "6",
             "--dtype", "float32", "--device", "cpu", "--policy", "static:2", "--multi-level", "/".join(tuned["best"]),
-            "--multi-level-quant", "int8", "--multi-level-cost", str(levels / "level_cost.json"), "--out", str(out)]) == 0
+            "--multi-level-quant", "int8", "--multi-level-cost", str(levels / "level_cost.json"), "--retime",
+            "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(old_threads)
     record = json.loads(out.read_text())
     (name, runs), = record["levels"].items()
     row = record["summary"]["rows"][name]
     assert row["replay_same_prompts"] > 0 and row["greedy_diffs"] == 0
+    # --retime: the calibration's prediction is kept beside the one priced by forwards timed in the run
+    calibrated = record["calibrated_summary"]["rows"][name]
+    assert calibrated["replay_same_prompts"] > 0 and calibrated["replay_tokens_per_round"] == row["replay_tokens_per_round"]
     rounds = runs[0][2]["rounds"]  # the decoder's target rounds; the replay's tokens per target round match them
     assert row["replay_tokens_per_round"] == pytest.approx(len(record["runs"][name][0][0]["tokens"]) / rounds)
 

@@ -250,11 +250,13 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 
 def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: int, repeats: int = 2,
-            warmup_tokens: int = 8, seed: int = 0, progress: bool = True, seeds: bool = False) -> Measurement:
+            warmup_tokens: int = 8, seed: int = 0, progress: bool = True, seeds: bool = False,
+            between: Callable[[], None] | None = None) -> Measurement:
     """Run every method on every prompt ``repeats`` times, interleaved (see module docstring).
 
     ``seeds``: sampled decoding; repeat r decodes with seed r in every seeded method (common random
-    numbers across methods), so the repeats are samples, not copies of one sample.
+    numbers across methods), so the repeats are samples, not copies of one sample. ``between``: called
+    after each prompt's methods (:class:`specstop.measure.in_run_cost.InRunTiming`'s timing passes).
     """
     from tqdm.auto import tqdm
 
@@ -277,6 +279,8 @@ def measure(prompts: list[list[int]], methods: list[Method], *, max_new_tokens: 
                 kw = {"seed": r} if seeds and m.seeded else {}
                 meas.runs[m.name][i].append(m.fn(ids, max_new_tokens, **kw))
                 bar.update(1)
+            if between is not None:
+                between()
     bar.close()
     meas.seconds = time.perf_counter() - t0
     return meas
