@@ -47,8 +47,7 @@ def rule_caps(rules: list[str]) -> int:
     """The largest number of tokens any of ``rules`` drafts in one round."""
     from specstop.policy import parse_policy_string
 
-    return max(parse_policy_string(r).cap if not r.startswith("heuristic") else parse_policy_string(r).sl_max
-               for r in rules)
+    return max(parse_policy_string(r).cap for r in rules)
 
 
 def stack_models(pair, scheme: str) -> tuple[list, list[str]]:
