@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_speedup import dataset_prompts, text_prompts  # noqa: E402
+from online_speedup import add_prompt_flags, dataset_prompts, text_prompts  # noqa: E402
 
 FLAG = 0.10
 
@@ -119,12 +119,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--cost", required=True, help="cost.json with a batch section (calibrate-cost --batch-grid)")
     ap.add_argument("--tuned", required=True, help="tuned.json with a batch_schedule (specstop tune)")
-    ap.add_argument("--data", help="a specstop dataset: decode its --split prompts; enables the replay prediction")
-    ap.add_argument("--split", default="test")
-    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable; without --data)")
-    ap.add_argument("--prompts", help="prompts file: .jsonl records or .txt lines (without --data)")
-    ap.add_argument("--field", default="prompt_text", help="record field holding the text")
-    ap.add_argument("--limit", type=int, default=16, help="prompts to decode at every B (default 16)")
+    add_prompt_flags(ap, data_help="a specstop dataset: decode its --split prompts; enables the replay prediction",
+                     split="test", limit=16, limit_help="prompts to decode at every B")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--k", default="1,2,3,4,5,6", help="static K values to run at every B")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (else 64)")

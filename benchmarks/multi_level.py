@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_speedup import dataset_prompts, quantized_pairs, self_drafts, text_prompts  # noqa: E402
+from online_speedup import add_prompt_flags, dataset_prompts, quantized_pairs, self_drafts, text_prompts  # noqa: E402
 
 #: Block sizes timed per level past the table's dense start (the cost reads linearly between them).
 SPARSE_ROWS = (10, 12, 16, 22)
@@ -73,12 +73,8 @@ def to_markdown(ranked: list[dict], cost, top: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
-    ap.add_argument("--data", help="a specstop dataset: tune on its --split prompts (rendered ids)")
-    ap.add_argument("--split", default="train")
-    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable)")
-    ap.add_argument("--prompts", help="prompts file: .jsonl records or .txt lines")
-    ap.add_argument("--field", default="prompt_text", help="record field holding the text")
-    ap.add_argument("--limit", type=int, default=12, help="prompts to tune on (default 12)")
+    add_prompt_flags(ap, data_help="a specstop dataset: tune on its --split prompts (rendered ids)", split="train",
+                     limit=12, limit_help="prompts to tune on")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's, else 48")
     ap.add_argument("--quant", default="int4", metavar="SCHEME", help="scheme of both lower levels (default int4)")
     ap.add_argument("--bottom", default="static:1,static:2,static:3,confidence:0.5,confidence:0.7",

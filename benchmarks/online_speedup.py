@@ -215,6 +215,17 @@ def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list
     return ids, int(read_manifest(data)["generation"]["max_new_tokens"]), names
 
 
+def add_prompt_flags(ap: argparse.ArgumentParser, *, data_help: str, split: str, limit: int, limit_help: str) -> None:
+    """The prompt flags :func:`dataset_prompts` and :func:`text_prompts` read: --data / --split, or --prompt,
+    --prompts and --field; --limit."""
+    ap.add_argument("--data", help=data_help)
+    ap.add_argument("--split", default=split)
+    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable; without --data)")
+    ap.add_argument("--prompts", help="prompts file: .jsonl records or .txt lines (without --data)")
+    ap.add_argument("--field", default="prompt_text", help="record field holding the text")
+    ap.add_argument("--limit", type=int, default=limit, help=f"{limit_help} (default {limit})")
+
+
 def text_prompts(args, tokenizer) -> list[list[int]]:
     from specstop.decode.cli import render
 
@@ -376,12 +387,8 @@ def _fmt(x) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
-    ap.add_argument("--data", help="a specstop dataset: decode its --split prompts (rendered ids) at its max_new_tokens")
-    ap.add_argument("--split", default="test")
-    ap.add_argument("--prompt", action="append", help="a prompt text (repeatable)")
-    ap.add_argument("--prompts", help="prompts file: .jsonl records or .txt lines")
-    ap.add_argument("--field", default="prompt_text", help="record field holding the text")
-    ap.add_argument("--limit", type=int, default=8, help="prompts to use (default 8)")
+    add_prompt_flags(ap, data_help="a specstop dataset: decode its --split prompts (rendered ids) at its max_new_tokens",
+                     split="test", limit=8, limit_help="prompts to use")
     ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
     ap.add_argument("--tuned", help="tuned.json (for --policy tuned:NAME)")
     ap.add_argument("--pearl-stop", action="append", default=None, metavar="POLICY",

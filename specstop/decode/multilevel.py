@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specstop.cache_prefix import cached_prefix
 from specstop.decode.chain import _LM, DecodeResult, _Timer, eos_token_ids
 from specstop.errors import UserError
 from specstop.export.runtime import StoppingPolicy
@@ -65,10 +66,7 @@ class _Level:
         Feeds only what the cache lacks: the cache is cut to its longest prefix shared with ``seq``
         (leaving at least ``keep`` tokens to feed).
         """
-        shared = 0
-        limit = min(len(self.cached), len(seq) - keep)
-        while shared < limit and self.cached[shared] == seq[shared]:
-            shared += 1
+        shared = cached_prefix(self.cached, seq, keep)
         self.lm.rollback(shared)
         t0 = timer.now()
         out, _ = self.lm.feed(seq[shared:], keep_logits=keep)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specstop.cache_prefix import cached_prefix
 from specstop.errors import UserError
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures, parse_policy_string
 
@@ -188,12 +189,7 @@ class _Sim:
 
     def _feed(self, level: int, seq: list[int], keep: int) -> None:
         """Price one forward of ``level`` that leaves its cache holding ``seq`` (as ``_Level.logits``)."""
-        held = self.cached[level]
-        limit = min(len(held), len(seq) - keep)
-        shared = 0
-        while shared < limit and held[shared] == seq[shared]:
-            shared += 1
-        rows = len(seq) - shared
+        rows = len(seq) - cached_prefix(self.cached[level], seq, keep)
         self.forwards[level] += 1
         if self.cost is not None:
             self.seconds[level] += self.cost.seconds(level, rows)

@@ -2,7 +2,7 @@
 
 A multi-level round feeds the bottom draft one or two tokens per step, the middle model a verified block
 (its drafted tokens plus one) and the target another; :func:`time_levels` times each model's forward over
-1..R rows at one context, rolled back after each (:class:`~specstop.pair.cached_forward.CachedForward`),
+each block size asked for at one context, rolled back after each (:class:`~specstop.pair.cached_forward.CachedForward`),
 with every (level, rows) pair taking turns in a shuffled order per round so that the machine's drift
 reaches them alike. The result, a :class:`~specstop.eval.levels.LevelCost`, prices
 :func:`specstop.eval.levels.replay_levels`.
@@ -44,7 +44,7 @@ def time_levels(models: list, names: list[str], context: list[int], rows: list[l
     Args:
         models: the stack, bottom first.
         names: one name per model (for the file and reports).
-        context: token ids; the whole list is the context, the fed blocks are taken after it from its head.
+        context: token ids; the whole list is the context (the fed blocks repeat its first tokens).
         rows: per level, the block sizes to time (e.g. ``[[1, 2], [1, 2, 3, 4], [1, 2, 4, 8, 16]]``; the
             cost reads linearly between them).
         vocab_size: the shared vocabulary (for the rules' per-step cost).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from specstop.cache_prefix import cached_prefix
 from specstop.decode.chain import _LM
 from specstop.eval.levels import LevelRecord, replay_levels
 from specstop.probs import DecodingConfig, logits_to_probs
@@ -32,9 +33,7 @@ class _Stepper:
 
     @torch.no_grad()
     def __call__(self, ids: list[int]) -> tuple[int, float]:
-        shared, limit = 0, min(len(self.cached), len(ids) - 1)
-        while shared < limit and self.cached[shared] == ids[shared]:
-            shared += 1
+        shared = cached_prefix(self.cached, ids, 1)
         self.lm.rollback(shared)
         if len(ids) - shared > FEED_ROWS:
             # A long feed (the prompt) fills the cache first, as a decoder's prefill does: the step's own
