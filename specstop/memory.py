@@ -181,13 +181,16 @@ def check_memory() -> None:
         raise ResourceLimitError(low_memory_message(status, reserve))
 
 
-def check_fits(need: int, what: str, advice: str) -> None:
+def check_fits(need: int, what: str, advice: str) -> int:
     """Refuse to allocate ``need`` bytes for ``what`` when that would leave less than the reserve.
 
     Args:
         need: estimated bytes (e.g. model weights at the load dtype).
         what: what would be loaded, for the message.
         advice: how to need less (e.g. ``use --dtype bfloat16``).
+
+    Returns:
+        The bytes still available above the reserve once ``need`` is allocated.
     """
     status = memory_status()
     reserve = reserve_bytes(status.total)
@@ -197,6 +200,7 @@ def check_fits(need: int, what: str, advice: str) -> None:
             f"available ({fmt_bytes(reserve)} kept in reserve, this process already uses {fmt_bytes(status.rss)} RSS); "
             f"{advice}, or free memory (${RESERVE_ENV} sets the reserve)."
         )
+    return int(status.available - reserve - need)
 
 
 def release_memory() -> None:

@@ -8,6 +8,7 @@ to be interesting (a pair of independent random models almost never agrees).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,35 @@ def tiny_pair(seed: int = 0, **kwargs):
 
     draft, target, tok = tiny_pair_models(seed=seed, **kwargs)
     return pair_from_models(draft, target, tok, draft_name="tiny-draft", target_name="tiny-target", name="tiny")
+
+
+class FakeClock:
+    """A clock that moves only when told to: with :func:`charge_forwards`, each model forward advances it
+    by the cost a test assigns, so step costs (and their levels) are exactly what the test says.
+    Install it with ``specstop.clock.using(clock)``."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += float(seconds)
+
+
+def charge_forwards(pair, clock: FakeClock, cost: Callable[[str, int, dict], float]) -> Callable[[], None]:
+    """Make every forward of ``pair.draft`` and ``pair.target`` advance ``clock`` by ``cost(role, tokens,
+    kwargs)`` seconds (role "draft" or "target", tokens fed per sequence, the forward's keyword
+    arguments). Returns a function that removes the hooks."""
+    handles = []
+    for role, model in (("draft", pair.draft), ("target", pair.target)):
+        def hook(module, args, kwargs, role=role):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            clock.advance(cost(role, int(ids.shape[-1]), kwargs))
+
+        handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+    return lambda: [h.remove() for h in handles]
 
 
 class _NumberTokenizer:

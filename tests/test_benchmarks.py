@@ -25,6 +25,7 @@ SMOKE = {
     "data_gen_throughput.py": "--pair tiny --n 2 --batch-sizes 1 --max-new-tokens 4 --device cpu --dtype float32",
     "dataset_stats.py": "{data}",
     "float32_gemm.py": "--reps 1 --rows 1",
+    "linear_route.py": "--pair {pair} --dtype bfloat16 --processes 2 --reps 1 --rows 1,2 --context 4 --out {out}",
     "online_speedup.py": "--pair {pair} --prompt hello --policy static:2 --policy mcsd:2,1 --limit 1 --repeats 1 "
                          "--max-new-tokens 4 --dtype float32 --device cpu --draft-quant int8 --self-draft int8 "
                          "--multi-level static:1/static:2 --multi-level-quant int8 --out {out}",
@@ -96,6 +97,13 @@ def test_smoke_run(script, tiny_pair_dir, synth_dir, tmp_path, monkeypatch):
         results = json.loads(out.read_text())["results"]
         assert set(results) == {"none", "int8"} and all(r["same_tokens"] for r in results.values())
         assert all(len(r["eager"]) == len(r["compiled"]) == 2 and r["compiled_over_eager"] > 0 for r in results.values())
+    if script == "linear_route.py":  # every route that applies, per process, one and two rows
+        from specstop.pair.fast_paths import route_applies
+
+        procs = json.loads(out.read_text())["processes"]
+        routes = {r for r in ("linear", "mv", "pad2", "packed") if route_applies(r, torch.bfloat16)}
+        assert len(procs) == 2 and all({k.split()[1] for k in p["steps"]} == routes for p in procs)
+        assert all(v[0] > 0 for p in procs for v in p["steps"].values())
     if script == "llamacpp_speculative.py":
         record = json.loads(out.read_text())
         options = json.loads((tmp_path / "llamacpp.json").read_text())["options"]

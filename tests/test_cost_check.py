@@ -64,7 +64,7 @@ def test_calibrate_remeasures_suspect_k(monkeypatch):
 
     calls = []
 
-    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0):
+    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0, decoder=False):
         calls.append(tuple(k_grid))
         base = {k: [0.1 + 0.01 * k] * 4 for k in k_grid}
         if len(calls) == 1:
@@ -87,7 +87,7 @@ def test_an_order_the_kernels_reproduce_is_priced_as_measured(monkeypatch):
 
     shape = {0: 0.25, 1: 0.21, 2: 0.22, 4: 0.25, 8: 0.30}
 
-    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0):
+    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0, decoder=False):
         return {"draft": [0.1] * 8, "target": {k: [shape[k]] * 4 for k in k_grid}, "rounds": 4, "seconds": 1.0}
 
     monkeypatch.setattr(cal, "time_pair", fake_time_pair)
@@ -108,8 +108,8 @@ def test_calibrate_checks_the_table_against_the_decoder():
     cost, _ = calibrate(pair, context=ctx, context_tokens=40, budget_s=0.2, k_grid=(0, 1, 4), progress=False)
     check = cost.fit["decoder_check"]
     assert set(check) == {"target-only step", "static:4 round"}
-    for rec in check.values():
-        assert rec["rounds"] >= 1 and rec["measured"] > 0 and rec["ratio"] == pytest.approx(rec["measured"] / rec["predicted"])
+    for rec in check.values():  # each round against the forwards timed beside it: the median of those ratios
+        assert rec["rounds"] >= 1 and rec["measured"] > 0 and rec["ratio_iqr"][0] <= rec["ratio"] <= rec["ratio_iqr"][1]
     assert "problems" in cost.fit["check"]
 
 
@@ -291,7 +291,7 @@ def test_an_order_problem_left_by_the_remeasure_is_timed_side_by_side(monkeypatc
     shape = {0: 0.247, 1: 0.197, 2: 0.207, 3: 0.221, 4: 0.231, 8: 0.247}
     calls = []
 
-    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0):
+    def fake_time_pair(pair, context, *, context_tokens, budget_s, k_grid, progress=True, seed=0, decoder=False):
         calls.append(tuple(k_grid))
         target = {k: [shape[k]] * 4 for k in k_grid}
         if len(calls) == 1:

@@ -37,14 +37,18 @@ def test_auto_is_float32_without_bf16_units(monkeypatch):
     assert c.dtype == "float32" and "no native bf16" in c.reason
 
 
-def _figures(f32: float, bf16_linear: float, bf16_mv: float, batch_f32: float = 1.0, batch_bf16: float = 1.0) -> dict:
-    """Pair timings as :func:`dtype_timing.time_model` returns them (every forward kind of a variant alike)."""
+def _figures(f32: float, bf16_linear: float, bf16_mv: float, batch_f32: float = 1.0, batch_bf16: float = 1.0,
+             bf16_packed: float | None = None) -> dict:
+    """Pair timings as :func:`dtype_timing.time_model` returns them (every forward kind of a variant alike;
+    routes not given cost as much as the stock kernel)."""
+    per = {"float32+linear": (f32, batch_f32), "float32+packed": (f32, batch_f32),
+           "bfloat16+linear": (bf16_linear, batch_bf16), "bfloat16+mv": (bf16_mv, batch_bf16),
+           "bfloat16+pad2": (bf16_linear, batch_bf16),
+           "bfloat16+packed": (bf16_linear if bf16_packed is None else bf16_packed, batch_bf16)}
+
     def model(verify: bool) -> dict:
-        out = {}
-        for v, s, b in (("float32", f32, batch_f32), ("bfloat16+linear", bf16_linear, batch_bf16),
-                        ("bfloat16+mv", bf16_mv, batch_bf16)):
-            out[v] = {"step": s, "batch": b, **({"verify": 2 * s} if verify else {})}
-        return out
+        return {v: {"step": s, "batch": b, **({"verify": 2 * s} if verify else {})} for v, (s, b) in per.items()}
+
     figures = {"draft": model(False), "target": model(True)}
     return {**figures, **dtype_timing.decide(figures), "seconds": 1.0}
 
@@ -57,7 +61,7 @@ def test_auto_picks_the_dtype_whose_pair_decodes_fastest(monkeypatch, tmp_cache)
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     monkeypatch.setattr(dtype_timing, "measure_pair_dtypes", lambda d, t: _figures(0.25, 0.10, 0.12))
     c = dtype_choice.choose_dtype("cpu", pair=("d", "t"))
-    assert c.dtype == "bfloat16" and "2.50x faster decoding" in c.reason and "F.linear" in c.reason
+    assert c.dtype == "bfloat16" and "2.50x faster decoding" in c.reason and "linear route" in c.reason
     # Cached per CPU / torch / threads / pair: a second call does not time again.
     monkeypatch.setattr(dtype_timing, "measure_pair_dtypes", lambda d, t: (_ for _ in ()).throw(AssertionError))
     assert dtype_choice.choose_dtype("cpu", pair=("d", "t")).dtype == "bfloat16"
@@ -67,19 +71,35 @@ def test_auto_picks_the_dtype_whose_pair_decodes_fastest(monkeypatch, tmp_cache)
     assert c.dtype == "float32" and "faster decoding than bfloat16" in c.reason
 
 
-def test_auto_per_workload_and_single_row_route(monkeypatch, tmp_cache):
+def test_auto_per_workload_and_linear_route(monkeypatch, tmp_cache):
     from specstop.pair import dtype_timing, fast_paths
 
     monkeypatch.setattr(fast_paths, "_CHOICES", {})
-    monkeypatch.delenv("SPECSTOP_CPU_DTYPE", raising=False)
+    for env in (fast_paths.ROUTE_ENV, fast_paths.SINGLE_ROW_ENV, "SPECSTOP_CPU_DTYPE"):
+        monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: {"amx_bf16"})
     # One-row steps faster in bf16 via torch.mv; batched steps faster in float32.
     monkeypatch.setattr(dtype_timing, "measure_pair_dtypes",
                         lambda d, t: _figures(0.20, 0.15, 0.10, batch_f32=0.5, batch_bf16=0.8))
     assert dtype_choice.choose_dtype("cpu", pair=("d", "t")).dtype == "bfloat16"
-    assert fast_paths.single_row_mv_gain(torch.bfloat16)["use_mv"] is True
+    choice = fast_paths.route_choice(torch.bfloat16)
+    assert choice["route"] == "mv" and "timed on this pair" in choice["reason"]
     gen = dtype_choice.choose_dtype("cpu", pair=("d", "t"), workload="generate")
     assert gen.dtype == "float32" and "batched generation" in gen.reason
+
+
+def test_auto_takes_packed_weights_where_they_decode_fastest(monkeypatch, tmp_cache):
+    """The Zen 5 figures: packed oneDNN weights halve every bf16 step; a tie with the stock kernel keeps it."""
+    from specstop.pair import fast_paths
+
+    monkeypatch.setattr(fast_paths, "_CHOICES", {})
+    for env in (fast_paths.ROUTE_ENV, fast_paths.SINGLE_ROW_ENV, "SPECSTOP_CPU_DTYPE"):
+        monkeypatch.delenv(env, raising=False)
+    figures = _figures(0.30, 0.157, 0.16, bf16_packed=0.067)
+    assert figures["routes"] == {"float32": "linear", "bfloat16": "packed"}
+    assert figures["decode"]["bfloat16"] == pytest.approx(4 * 0.067)
+    tie = _figures(0.30, 0.157, 0.16, bf16_packed=0.155)
+    assert tie["routes"]["bfloat16"] == "linear"  # within 5%: the stock kernel stays
 
 
 def test_auto_without_a_pair_says_it_did_not_measure(monkeypatch):
@@ -89,17 +109,18 @@ def test_auto_without_a_pair_says_it_did_not_measure(monkeypatch):
     assert c.dtype == "bfloat16" and "not measured" in c.reason
 
 
-def test_pair_timing_on_a_tiny_model_measures_every_variant(fresh_single_row_choice):
-    from specstop.pair import dtype_timing
+def test_pair_timing_on_a_tiny_model_measures_every_variant(fresh_route_choice):
+    from specstop.pair import dtype_timing, fast_paths
 
     model = tiny_causal_lm(64, seed=5)
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     got = dtype_timing.time_model(model, verify=True, rounds=1, reps=1)
-    assert set(got) == set(dtype_timing.VARIANTS)
+    assert set(got) == set(dtype_timing.variants()) and {"float32+linear", "bfloat16+linear"} <= set(got)
     assert all(set(kinds) == {"step", "batch", "verify"} and min(kinds.values()) > 0 for kinds in got.values())
-    # Left as it came: float32, stock kernels (bf16 -> float32 rounds the weights, nothing else).
+    # Left as it came: float32, stock kernels, no packed copies (bf16 -> float32 rounds the weights, nothing else).
     assert next(model.parameters()).dtype == torch.float32
-    assert not any(getattr(m, "_specstop_single_row_mv", False) for m in model.modules())
+    assert fast_paths.route_of(model) == "linear"
+    assert not _route_attrs(model)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, ref[k].to(torch.bfloat16).float())
 
@@ -120,63 +141,129 @@ def test_pair_records_its_dtype_choice(tiny_pair_dir):
     assert rec["dtype"] == "float32" and rec["requested"] == "float32"
 
 
+def _route_attrs(model) -> list[str]:
+    """What a linear route leaves on a model's modules (bound forwards, packed weights)."""
+    return [k for m in model.modules() for k in m.__dict__
+            if k in ("_specstop_linear_route", "_specstop_packed_weight") or (k == "forward" and isinstance(m, torch.nn.Linear))]
+
+
 @pytest.fixture
-def fresh_single_row_choice(monkeypatch, tmp_cache):
-    """No per-process or on-disk single-row kernel choice left from another test."""
+def fresh_route_choice(monkeypatch, tmp_cache):
+    """No per-process or on-disk linear route choice left from another test."""
     from specstop.pair import fast_paths
 
     monkeypatch.setattr(fast_paths, "_CHOICES", {})
+    monkeypatch.delenv(fast_paths.ROUTE_ENV, raising=False)
     monkeypatch.delenv(fast_paths.SINGLE_ROW_ENV, raising=False)
     return fast_paths
 
 
-def test_single_row_matvec_only_for_bf16_cpu_and_same_function(fresh_single_row_choice, monkeypatch):
-    from specstop.pair.fast_paths import single_row_matvec
-
-    monkeypatch.setenv(fresh_single_row_choice.SINGLE_ROW_ENV, "mv")  # whichever kernel this CPU prefers
-    f32 = tiny_causal_lm(64, seed=5)
-    assert single_row_matvec(f32) == 0  # float32 keeps F.linear
-    model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
-    ids = torch.tensor([[5, 9, 17, 33, 2]])
-    step = torch.tensor([[7]])
+def _step_and_block(model):
+    """A one-token step after a prefill, and the same tokens as one block: logits of both."""
     from transformers import DynamicCache
 
     from specstop.pair.compat import cache_kwarg
 
-    def run():
+    ids, step = torch.tensor([[5, 9, 17, 33, 2]]), torch.tensor([[7]])
+    with torch.no_grad():
         c = DynamicCache(config=model.config)
         model(input_ids=ids, **cache_kwarg(model, c), use_cache=True)
         one = model(input_ids=step, **cache_kwarg(model, c), use_cache=True).logits
         return one, model(input_ids=torch.cat([ids, step], 1)).logits
-    ref_one, ref_block = run()
-    n = single_row_matvec(model)
-    assert n == len([m for m in model.modules() if isinstance(m, torch.nn.Linear)]) and single_row_matvec(model) == 0
-    one, block = run()
-    torch.testing.assert_close(block, ref_block)  # blocks of 2+ rows keep the GEMM: bit-identical
-    torch.testing.assert_close(one.float(), ref_one.float(), atol=0.1, rtol=0.05)  # one row: another kernel
 
 
-def test_single_row_route_only_where_measured_faster(fresh_single_row_choice, monkeypatch):
-    # On an AMD EPYC (Zen 4, avx512_bf16) torch.mv ran at 0.45x the speed of F.linear: keep F.linear.
-    fp = fresh_single_row_choice
-    monkeypatch.setattr(fp, "measure_single_row", lambda dtype: {"linear_ms": 1.0, "mv_ms": 2.2, "mv_gain": 0.45})
+@pytest.mark.parametrize("route", ["mv", "pad2", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_each_route_computes_what_the_stock_kernel_does(route, dtype, fresh_route_choice):
+    fp = fresh_route_choice
+    model = tiny_causal_lm(64, seed=5).to(dtype)
+    ref_one, ref_block = _step_and_block(model)
+    n = fp.apply_route(model, route)
+    linears = len([m for m in model.modules() if isinstance(m, torch.nn.Linear)])
+    assert n == (linears if fp.route_applies(route, dtype) else 0)
+    assert fp.apply_route(model, route) == n and fp.route_of(model) == (route if n else "linear")  # idempotent
+    one, block = _step_and_block(model)
+    tol = {"atol": 0.1, "rtol": 0.05} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(one.float(), ref_one.float(), **tol)
+    torch.testing.assert_close(block.float(), ref_block.float(), **tol)
+    if route != "packed":  # blocks of 2+ rows keep the stock GEMM: bit-identical
+        torch.testing.assert_close(block, ref_block, atol=0, rtol=0)
+    # Autograd takes the stock kernel (oneDNN's packed weights have no backward here).
+    x = torch.randn(1, 2, 32, dtype=dtype, requires_grad=True)
+    lin = next(m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features == 32)
+    lin(x).sum().backward()
+    assert x.grad is not None
+    fp.apply_route(model, "linear")
+    assert fp.route_of(model) == "linear" and not _route_attrs(model)
+
+
+def test_the_route_is_the_measured_fastest_and_cached(fresh_route_choice, monkeypatch):
+    fp = fresh_route_choice
+    # Zen 5 (ms, one row / nine rows): packed weights win both.
+    zen5 = {"linear": {"rows1_ms": 1.73, "rows9_ms": 1.48}, "mv": {"rows1_ms": 1.88, "rows9_ms": 1.45},
+            "pad2": {"rows1_ms": 1.34, "rows9_ms": 1.48}, "packed": {"rows1_ms": 1.19, "rows9_ms": 1.13}}
+    assert fp.pick_route(zen5) == "packed"
+    # The AMX Xeon's torch.mv (0.086 -> 0.062 s per draft step) where packing is not faster.
+    xeon = {"linear": {"rows1_ms": 1.0, "rows9_ms": 1.0}, "mv": {"rows1_ms": 0.7, "rows9_ms": 1.0},
+            "pad2": {"rows1_ms": 1.0, "rows9_ms": 1.0}, "packed": {"rows1_ms": 1.2, "rows9_ms": 0.9}}
+    assert fp.pick_route(xeon) == "mv"
+    # A route that loses on many rows is not taken for its one-row gain; a tie keeps the stock kernel.
+    assert fp.pick_route({"linear": {"rows1_ms": 1.0, "rows9_ms": 1.0},
+                          "packed": {"rows1_ms": 0.5, "rows9_ms": 1.6}}) == "linear"
+    assert fp.pick_route({"linear": {"rows1_ms": 1.0, "rows9_ms": 1.0},
+                          "pad2": {"rows1_ms": 0.98, "rows9_ms": 1.0}}) == "linear"
+    monkeypatch.setattr(fp, "measure_routes", lambda dtype: zen5)
     model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
-    assert fp.single_row_matvec(model) == 0
-    assert "F.linear" in fp.single_row_record()["torch.bfloat16"] and "0.45x" in fp.single_row_record()["torch.bfloat16"]
+    assert fp.install_linear_route(model) > 0 and fp.route_of(model) == "packed"
+    assert "packed route" in fp.route_record()["torch.bfloat16"] and "1.190/1.130" in fp.route_record()["torch.bfloat16"]
     # Cached on disk per CPU / dtype / torch / threads: a new process does not measure again.
     monkeypatch.setattr(fp, "_CHOICES", {})
-    monkeypatch.setattr(fp, "measure_single_row", lambda dtype: (_ for _ in ()).throw(AssertionError))
-    assert fp.single_row_mv_gain(torch.bfloat16)["use_mv"] is False
-    # Where torch.mv is clearly faster (the AMX Xeon: 0.086 -> 0.062 s per draft step), it is taken.
-    monkeypatch.setattr(fp, "_CHOICES", {"torch.bfloat16": {"use_mv": True, "reason": "measured"}})
-    assert fp.single_row_matvec(tiny_causal_lm(64, seed=6).to(torch.bfloat16)) > 0
+    monkeypatch.setattr(fp, "measure_routes", lambda dtype: (_ for _ in ()).throw(AssertionError))
+    assert fp.route_choice(torch.bfloat16)["route"] == "packed"
+    # The environment forces a route; an unknown one is refused in one line.
+    monkeypatch.setattr(fp, "_CHOICES", {})
+    monkeypatch.setenv(fp.ROUTE_ENV, "pad2")
+    assert fp.route_choice(torch.bfloat16) == {"route": "pad2", "reason": f"{fp.ROUTE_ENV}=pad2 set"}
+    monkeypatch.setattr(fp, "_CHOICES", {})
+    monkeypatch.setenv(fp.ROUTE_ENV, "fast")
+    from specstop.errors import UserError
+
+    with pytest.raises(UserError, match="choose one of linear, mv, pad2, packed"):
+        fp.route_choice(torch.bfloat16)
 
 
-def test_measure_single_row_reports_both_kernels():
-    from specstop.pair.fast_paths import measure_single_row
+def test_packed_weights_that_do_not_fit_take_the_next_fastest_route(fresh_route_choice, monkeypatch, caplog, tmp_path):
+    from specstop.memory import MemoryStatus
+    from specstop.pair.preflight import check_pair_fits
+    from specstop.testing import save_tiny_pair
 
-    m = measure_single_row(torch.bfloat16, reps=2)
-    assert m["linear_ms"] > 0 and m["mv_ms"] > 0 and m["mv_gain"] == pytest.approx(m["linear_ms"] / m["mv_ms"])
+    fp = fresh_route_choice
+    timings = {"linear": {"rows1_ms": 1.7, "rows9_ms": 1.5}, "pad2": {"rows1_ms": 1.3, "rows9_ms": 1.5},
+               "packed": {"rows1_ms": 1.2, "rows9_ms": 1.1}}
+    monkeypatch.setattr(fp, "measure_routes", lambda dtype: timings)
+    model = tiny_causal_lm(64, seed=5).to(torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        fp.install_linear_route(model, pack=False)
+    assert fp.route_of(model) == "pad2" and "left unpacked" in caplog.text
+    # The pair loader's memory check says whether the copy fits: one read of the machine's memory.
+    pair = save_tiny_pair(tmp_path / "pair")
+    import specstop.memory as memory
+    from specstop.pair.weights import estimated_load_bytes
+
+    total = 64 << 30
+    size = sum(estimated_load_bytes(str(pair / role), 4) for role in ("draft", "target"))
+    for available, fits in ((total, True), (memory.reserve_bytes(total) + int(1.5 * size), False)):
+        monkeypatch.setattr(memory, "memory_status", lambda a=available: MemoryStatus(a, total, 0))
+        assert check_pair_fits(str(pair / "draft"), str(pair / "target"), torch.float32) is fits
+
+
+def test_measure_routes_reports_every_route_that_applies():
+    from specstop.pair.fast_paths import measure_routes, route_applies
+
+    m = measure_routes(torch.bfloat16, reps=2)
+    assert set(m) == {r for r in ("linear", "mv", "pad2", "packed") if route_applies(r, torch.bfloat16)}
+    assert all(t["rows1_ms"] > 0 and t["rows9_ms"] > 0 for t in m.values())
+    assert set(measure_routes(torch.float32, reps=1)) <= {"linear", "packed"}
 
 
 class _OnDevice:
@@ -201,3 +288,23 @@ def test_cudnn_attention_is_turned_off_for_cuda_models(device, env, turned_off, 
         monkeypatch.setenv("SPECSTOP_CUDNN_ATTENTION", env)
     assert fast_paths.avoid_cudnn_attention(_OnDevice(device)) is turned_off
     assert calls == ([False] if turned_off else [])
+
+
+def test_packed_weights_follow_in_place_edits_and_copies(fresh_route_choice):
+    """A packed weight is never stale: a weight edited in place (load_state_dict, noise in a test) or a
+    deep copy of the model packs again, so the packed route computes what the weights say."""
+    import copy
+
+    fp = fresh_route_choice
+    model = tiny_causal_lm(64, seed=5)
+    fp.apply_route(model, "packed")
+    before = _step_and_block(model)[1]
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    torch.testing.assert_close(_step_and_block(model)[1], before, atol=0, rtol=0)  # the original is untouched
+    edited = _step_and_block(twin)[1]
+    fp.apply_route(twin, "linear")
+    torch.testing.assert_close(edited, _step_and_block(twin)[1], atol=1e-4, rtol=1e-4)
+    assert (edited - before).abs().max() > 1e-3

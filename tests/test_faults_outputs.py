@@ -217,7 +217,7 @@ def test_tune_refuses_a_named_checkpoint_that_cannot_load(predictor_inputs, synt
 
 
 def test_tuned_paths_work_from_another_directory(synth_dir, tmp_path, monkeypatch):
-    from specstop.eval.eval_cli import read_tuned
+    from specstop.eval.tuned_file import read_tuned
     from specstop.models.features import FeatureSpec  # noqa: F401 - the checkpoint below reads it
 
     ckpt = tmp_path / "run" / "disco.ckpt"

@@ -26,12 +26,13 @@ not n + 1), ``N_target`` target forwards (excluding the prompt prefill), ``N_dra
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from specstop import clock
 from specstop.export.runtime import StoppingPolicy
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.context import check_request, check_seed
@@ -56,6 +57,9 @@ class DecodeResult:
         forwards and target-only steps), ``accept`` (comparing/sampling the verified block),
         ``rollback`` (cache rollback and bookkeeping), ``total``; ``round_seconds`` lists each
         round's wall time (draft to rollback) for round-cost checks.
+    live: live re-pricing's record after this run (:meth:`LivePricer.record`: the ratios of the
+        measured step costs to the table, the policy in use, every switch so far), None when the
+        policy is pinned or carries no statistics.
     """
 
     token_ids: list[int]
@@ -64,6 +68,7 @@ class DecodeResult:
     round_lengths: list[int]
     accepted_per_round: list[int]
     timings: dict[str, float] = field(default_factory=dict)
+    live: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,7 +96,7 @@ class _Timer:
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return clock.now()
 
     def add(self, phase: str, t0: float) -> float:
         t1 = self.now()
@@ -118,7 +123,7 @@ class _LM:
 
             self.cache = DynamicCache(config=model.config)
         self.length = 0  # tokens of the sequence held in the cache
-        self.forward = self.compiled = model.forward
+        self.forward = self.compiled = model  # the module: its forward hooks run
         self.compiled_up_to = compiled_up_to if compile else 0
         if compile:
             # Static shapes: one graph per fed length and cache length, for the draft and the target.
@@ -176,6 +181,10 @@ class SpeculativeDecoder:
             steps are dominated by kernel launches, which the compiled graph removes
             (``benchmarks/compiled_draft_step.py`` measures whether it pays), at two graphs' compile.
         max_cache_len: static cache size (prompt + new tokens + SL_max is enough).
+        live_pricing: re-pick the policy's threshold, SL_max or K from its price-free statistics as the
+            step costs this decoder measures move (:mod:`specstop.decode.live_pricing`; lossless, logged).
+            Applies to policies that carry statistics (exports); False pins the policy as given.
+        cost_model: the table live pricing scales (a CostModel, its dict, or None: the export's own).
     """
 
     def __init__(
@@ -188,6 +197,8 @@ class SpeculativeDecoder:
         compile: bool = False,
         compile_draft: bool = False,
         max_cache_len: int = 4096,
+        live_pricing: bool = True,
+        cost_model=None,
     ) -> None:
         self.pair = pair
         self.policy = policy = StoppingPolicy.for_pair(policy, pair)
@@ -201,6 +212,9 @@ class SpeculativeDecoder:
         self._compiled_for: set[tuple[int, bool]] = set()  # (cache length, hidden states) the draft compiled for
         self.max_cache_len = max_cache_len
         self.last_state: dict[str, Any] | None = None  # caches + sequence of the last run (tests inspect it)
+        from specstop.decode.live_pricing import LivePricer
+
+        self.live = LivePricer.for_policy(policy, cost_model) if live_pricing else None
         mismatch = policy.temperature_mismatch(self.decoding)
         if mismatch:
             import warnings
@@ -220,7 +234,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ main loop
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None, *, max_draft: int | None = None
+        self, prompt_ids: list[int], max_new_tokens: int, seed: int | None = None, *, max_draft: int | None = None,
+        on_round: Callable[[int, float], None] | None = None,
     ) -> DecodeResult:
         """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (batch size 1).
 
@@ -230,15 +245,19 @@ class SpeculativeDecoder:
             seed: seeds the draft samples, the acceptance uniforms and the resampling (sampling only).
             max_draft: cap every round at this many drafted tokens; 0 is plain target decoding through
                 the same code path (the baseline benchmarks compare against, prefill timed alike).
+            on_round: called after every round with its drafted length K and its wall seconds, outside
+                the round's timing (calibration times the cost table's forwards there, between rounds).
         """
         prompt_ids = check_request(self.pair, prompt_ids, max_new_tokens)
         seed = check_seed(seed)
         pair, policy, greedy = self.pair, self.policy, self.decoding.greedy
         policy.start_sequence()
-        max_len = len(prompt_ids) + max_new_tokens + policy.cap() + 2
+        # Live pricing may raise the cap between rounds: size caches and compiled feeds for the largest.
+        cap = policy.cap() if self.live is None else max(policy.cap(), self.live.max_cap())
+        max_len = len(prompt_ids) + max_new_tokens + cap + 2
         if (self.static_cache or self.compile_draft) and max_len > self.max_cache_len:
             raise ValueError(f"prompt + max_new_tokens ({max_len}) exceeds max_cache_len={self.max_cache_len}")
-        block = policy.cap() + 1  # the longest feed of a round: K drafted tokens after the last emitted one
+        block = cap + 1  # the longest feed of a round: K drafted tokens after the last emitted one
         # The draft is fed one token a step, two at a round's start after every draft was accepted (the
         # last drafted token and the bonus): those two lengths compile; the prompt's prefill runs eagerly.
         cache_len = static_cache_length(max_len, self.max_cache_len)
@@ -286,11 +305,15 @@ class SpeculativeDecoder:
             if max_draft is not None:
                 k_cap = min(k_cap, max_draft)
             t_round = timer.now()
+            phases = dict(timer.totals)  # this round's seconds per phase, for live pricing
             if k_cap <= 0:
                 # A single target step: a draft could not be verified and still leave room for the bonus.
                 logits, _ = target.feed(seq[target.length :], keep_logits=1)
                 tok = self._pick(logits[-1], None if greedy else self._probs(logits[-1]), gen)
                 round_seconds.append(timer.add("target", t_round) - t_round)
+                self._observe(0, timer, phases)
+                if on_round is not None:
+                    on_round(0, round_seconds[-1])
                 n_target += 1
                 rounds_k.append(0)
                 rounds_n.append(0)
@@ -353,6 +376,9 @@ class SpeculativeDecoder:
             target.rollback(len(seq) - 1)
             draft.rollback(min(draft.length, base + n))
             round_seconds.append(timer.add("rollback", t0) - t_round)
+            self._observe(k, timer, phases)
+            if on_round is not None:
+                on_round(k, round_seconds[-1])
             if out and out[-1] in self.eos:
                 stop_reason = "eos"
                 break
@@ -373,4 +399,12 @@ class SpeculativeDecoder:
         timings["total"] = total
         timings["round_seconds"] = round_seconds
         text = pair.tokenizer.decode(out, skip_special_tokens=True)
-        return DecodeResult(out, text, counters, rounds_k, rounds_n, timings)
+        return DecodeResult(out, text, counters, rounds_k, rounds_n, timings,
+                            self.live.record() if self.live is not None else None)
+
+    def _observe(self, k: int, timer: _Timer, before: dict[str, float]) -> None:
+        """Give live pricing one round's seconds (its draft, decision and target phases)."""
+        if self.live is None:
+            return
+        spent = {p: timer.totals[p] - before[p] for p in ("draft", "predictor", "target")}
+        self.live.observe(k, draft_s=spent["draft"], decision_s=spent["predictor"], target_s=spent["target"])

@@ -165,7 +165,7 @@ def _send(conn, msg) -> bool:
         return False
 
 
-def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_size: int, eos: list[int],
+def _child_main(conn, model_path: str, route: str, cores: list[int], vocab_size: int, eos: list[int],
                 parent_pid: int) -> None:
     """Entry point of a worker process: pin, load, then serve requests until told to close (or the parent
     is gone: its pipe closed, or the watchdog saw its pid change)."""
@@ -178,10 +178,10 @@ def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_siz
         model = torch.load(model_path, mmap=True, weights_only=False)
         model.eval()
         _register_output_capture(model)
-        if use_mv:
-            from specstop.pair.fast_paths import route_single_rows
+        if route != "linear":
+            from specstop.pair.fast_paths import apply_route
 
-            route_single_rows(model, use_mv=True)
+            apply_route(model, route)
         server = ModelServer(model, vocab_size, set(eos))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises it
         _send(conn, ("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
@@ -228,13 +228,13 @@ def _child_main(conn, model_path: str, use_mv: bool, cores: list[int], vocab_siz
 class _ProcessWorker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, name: str, ctx, model_path: Path, use_mv: bool, cores: list[int], vocab_size: int,
+    def __init__(self, name: str, ctx, model_path: Path, route: str, cores: list[int], vocab_size: int,
                  eos: set[int]) -> None:
         self.name = name
         self.cores = cores
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=_child_main, args=(child, str(model_path), use_mv, cores, vocab_size, sorted(eos), os.getpid()),
+            target=_child_main, args=(child, str(model_path), route, cores, vocab_size, sorted(eos), os.getpid()),
             name=f"specstop-pearl-{name}", daemon=True,
         )
         self.proc.start()
@@ -507,26 +507,26 @@ def _restore_capture_hooks(saved: list) -> None:
             module.__dict__[_CAPTURE_FLAG] = flag
 
 
-def _save_portable(model, path: Path) -> bool:
-    """``torch.save`` the whole module; returns whether one-row ``torch.mv`` routing was on.
+def _save_portable(model, path: Path) -> str:
+    """``torch.save`` the whole module; returns the linear route it was on (:mod:`specstop.pair.fast_paths`).
 
-    The routing binds methods to instances, which pickle cannot restore: it is switched off for the
-    save, back on right after, and re-applied by the worker. Output-capturing hooks (a model that has
-    already returned hidden states) are detached for the save the same way.
+    A route binds methods (and, packed, oneDNN tensors) to instances, which pickle cannot restore: it
+    is switched off for the save, back on right after, and re-applied by the worker. Output-capturing
+    hooks (a model that has already returned hidden states) are detached for the save the same way.
     """
-    from specstop.pair.fast_paths import route_single_rows, routes_single_rows
+    from specstop.pair.fast_paths import apply_route, route_of
 
-    use_mv = routes_single_rows(model)
-    if use_mv:
-        route_single_rows(model, use_mv=False)
+    route = route_of(model)
+    if route != "linear":
+        apply_route(model, "linear")
     hooks = _without_capture_hooks(model)
     try:
         torch.save(model, path)
     finally:
         _restore_capture_hooks(hooks)
-        if use_mv:
-            route_single_rows(model, use_mv=True)
-    return use_mv
+        if route != "linear":
+            apply_route(model, route)
+    return route
 
 
 def _shutdown(workers: list, folder: list[Path | None], term: list[bool]) -> None:
@@ -612,9 +612,9 @@ class PearlWorkers:
         started = []
         for name, model, cores in (("draft", self.pair.draft, self.cores[0]), ("target", self.pair.target, self.cores[1])):
             path = folder / f"{name}.pt"
-            use_mv = _save_portable(model, path)
+            route = _save_portable(model, path)
             with _sigterm_deferred():  # a whole spawn, and the worker recorded for the cleanup
-                w = _ProcessWorker(name, ctx, path, use_mv, list(cores), self.vocab_size, self.eos)
+                w = _ProcessWorker(name, ctx, path, route, list(cores), self.vocab_size, self.eos)
                 self._workers.append(w)
             started.append(w)
         for w in started:

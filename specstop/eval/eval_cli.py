@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specstop.config_cli import setting
-from specstop.config_io import check_range, resolve_tuned_paths
-from specstop.errors import MissingInputError, UserError
+from specstop.config_io import check_range
+from specstop.errors import UserError
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.report import build_report, write_report
 from specstop.eval.sampled import replayable
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.tune_cli import load_cost_model_arg
-from specstop.jsonio import read_json
+from specstop.eval.tuned_file import read_tuned
 from specstop.outputs import claim_output_dir
 from specstop.pair.identity import check_same_pair
 from specstop.policy import DEFAULT_SL_MAX
@@ -67,18 +67,6 @@ def main(argv: list[str]) -> int:
     args, _ = TypedCommand(EvalSettings, prog="specstop eval",
                            description="replay every policy on a test split and write the report").parse(argv)
     return run(args)
-
-
-def read_tuned(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise MissingInputError(f"no tuned-policy file at {p}; run `specstop tune ... --out {p}` first")
-    tuned = read_json(p, "tuned-policy file")
-    if not isinstance(tuned, dict) or tuned.get("schema_version") != 1 or not isinstance(tuned.get("policies"), dict):
-        raise UserError(f"{p} is not a specstop tuned-policy file (schema_version 1 with 'policies')")
-    tuned = resolve_tuned_paths(tuned, p)
-    tuned["_path"] = str(p)
-    return tuned
 
 
 def check_tuned_pair(tuned: dict, data_dir) -> None:

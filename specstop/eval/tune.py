@@ -18,6 +18,7 @@ import numpy as np
 
 from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData
+from specstop.eval.price_free import candidate, make_stats, threshold_candidates
 from specstop.eval.replay import Counts
 from specstop.eval.segments import Curve, SlotLayout, build_layout, fast_replay, sweep, threshold_from_x
 from specstop.policy import PolicySpec
@@ -64,19 +65,23 @@ def tune_threshold(
 
     Returns:
         (best spec, validation record: metrics of the best, per-SL_max optima, number of
-        breakpoints searched, the paper grid's latencies, Pareto points of the best SL_max's sweep).
+        breakpoints searched, the paper grid's latencies, Pareto points of the best SL_max's sweep,
+        and ``stats``: the price-free statistics of the candidates a re-pricing could pick,
+        :mod:`specstop.eval.price_free`).
     """
     layout = layout or build_layout(data)
     cost = cost.for_policy(base)  # its decision cost per draft step, measured when calibrated
     per = []
     best = None
     curves = {}
+    candidates = []
     for sl in sorted(set(int(v) for v in sl_max_grid)):
         spec = replace(base, sl_max=sl)
         curve = sweep(data, spec, layout)
         lat = curve_latency(curve, cost)
         i = int(np.argmin(lat))
         thr = threshold_from_x(spec, curve.representative(i))
+        candidates += threshold_candidates(curve, spec, cost, also=(i,))
         rec = {
             "sl_max": sl,
             "threshold": thr,
@@ -98,6 +103,8 @@ def tune_threshold(
             "interval": _interval(curve, i, spec),
         },
         "pareto": pareto_points(curve),
+        "stats": make_stats(candidates, {"threshold": float(thr), "sl_max": int(sl), "rule": spec.rule}, curve.n,
+                            curve.prompts),
     }
     if paper_grid:
         record["paper_grid"] = [
@@ -130,14 +137,18 @@ def tune_rules(
     best = None
     lat_by_rule = {}
     paper = None
+    candidates = []
     for rule in rules:
         grid = paper_grid if rule == "cumprod" else None
         spec, rec = tune_threshold(data, replace(base, rule=rule), cost, sl_max_grid, layout=layout, paper_grid=grid)
+        candidates += rec["stats"]["candidates"]
         lat_by_rule[rule] = rec["latency_per_token"]
         paper = rec.get("paper_grid", paper)
         if best is None or rec["latency_per_token"] < best[1]["latency_per_token"] - 1e-15:
             best = (spec, rec)
     spec, rec = best
+    rec["stats"] = make_stats(candidates, {"threshold": float(spec.threshold), "sl_max": int(spec.sl_max),
+                                           "rule": spec.rule}, rec["stats"]["n"], rec["stats"]["prompts"])
     if paper is not None:
         # The paper's grid is a comparison under its own rule, reported whichever rule won.
         rec["paper_grid"] = paper
@@ -166,13 +177,15 @@ def tune_static(
     """Static SL-opt (DISCO): the best K in 1..k_max."""
     layout = layout or build_layout(data)
     cost = cost.for_policy("static")
-    table = []
+    table, candidates = [], []
     for k in range(1, int(k_max) + 1):
         c = fast_replay(data, PolicySpec(kind="static", k=k), layout)
         table.append({"k": k, **c.metrics(cost)})
+        candidates.append(candidate({"k": k}, c))
     best = min(table, key=lambda r: r["latency_per_token"])
     return PolicySpec(kind="static", k=best["k"]), {
         **best,
+        "stats": make_stats(candidates, {"k": best["k"]}, best["n"], best["prompts"]),
         # tokens_per_round per K: an engine that runs a fixed K with its own draft costs reprices every K.
         "search": {"per_k": [{"k": r["k"], "latency_per_token": r["latency_per_token"],
                               "tokens_per_round": r["tokens_per_round"]} for r in table]},
@@ -190,14 +203,16 @@ def tune_heuristic(
     """The heuristic schedule's start value (cap ``sl_max``)."""
     layout = layout or build_layout(data)
     cost = cost.for_policy("heuristic")
-    table = []
+    table, candidates = [], []
     for st in starts:
         c = fast_replay(data, PolicySpec(kind="heuristic", start=int(st), sl_max=sl_max), layout)
         table.append({"start": int(st), **c.metrics(cost)})
+        candidates.append(candidate({"start": int(st)}, c))
     best = min(table, key=lambda r: r["latency_per_token"])
     spec = PolicySpec(kind="heuristic", start=best["start"], sl_max=sl_max)
     return spec, {
         **best,
+        "stats": make_stats(candidates, {"start": best["start"]}, best["n"], best["prompts"]),
         "search": {
             "per_start": [{"start": r["start"], "latency_per_token": r["latency_per_token"]} for r in table]
         },

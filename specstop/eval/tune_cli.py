@@ -62,8 +62,11 @@ class TuneOptions:
 class TuneSettings(TuneOptions):
     """What `specstop tune` reads, how it prices rounds and where it writes."""
 
-    data: str | None = setting(None, flags=("--data",), required=True)
-    """Dataset folder (specstop generate output)."""
+    data: str | None = setting(None, flags=("--data",))
+    """Dataset folder (specstop generate output); required unless --reprice."""
+    reprice: str | None = setting(None, flags=("--reprice",), metavar="TUNED")
+    """Re-pick every policy of this tuned file with --cost-model, from the price-free statistics it
+    carries (no dataset is read; --checkpoint and the search settings do not apply)."""
     checkpoint: list[str] = setting(default_factory=list, flags=("--checkpoint",), metavar="[NAME=]PATH",
                                     repeatable=True)
     """Predictor checkpoint, repeatable (NAME defaults to the file name)."""
@@ -121,6 +124,11 @@ def run(args: TuneSettings) -> int:
     from specstop.outputs import check_writable
 
     check_range("--repeats", args.repeats, low=1)
+    if args.reprice is not None:
+        return run_reprice(args)
+    if args.data is None:
+        raise UserError("missing --data (the dataset to tune on), or give --reprice TUNED to re-price a tuned file; "
+                        "see specstop tune --help")
     check_writable(args.out, "--out", kind="file")  # before the replay work, not after it
     cost = load_cost_model_arg(args.cost_model, force=args.force_cost)
     grid = _ints(args.sl_max_grid)
@@ -159,6 +167,54 @@ def run(args: TuneSettings) -> int:
     return 0
 
 
+def run_reprice(args: TuneSettings) -> int:
+    """``--reprice TUNED``: every policy re-picked from its statistics with ``--cost-model``."""
+    from specstop.eval.price_free import reprice_tuned
+    from specstop.eval.tuned_file import read_tuned
+    from specstop.outputs import check_writable
+
+    if args.data is not None or args.checkpoint:
+        raise UserError("--reprice re-prices a tuned file's statistics and reads no data: drop --data and --checkpoint")
+    tuned = read_tuned(args.reprice)
+    tuned.pop("_path", None)
+    check_writable(args.out, "--out", kind="file")
+    cost = load_cost_model_arg(args.cost_model, force=args.force_cost)
+    out, lines = reprice_tuned(tuned, cost, source=str(args.reprice))
+    out["repriced_from"] = {"tuned": str(Path(args.reprice).resolve()), "cost_model": tuned.get("cost_model", {}).get("name")}
+    atomic_write_json(Path(args.out), out)
+    log.info("%s", cost.provenance_line())
+    for line in lines:
+        log.info("%s", line)
+    log.info("best: %s -> %s", out["best"], args.out)
+    return 0
+
+
+def policy_entry(spec: PolicySpec, record: dict) -> dict:
+    """A tuned.json policy entry: the spec, its validation metrics and, apart from them, the price-free
+    statistics of its candidates (:mod:`specstop.eval.price_free`)."""
+    record = dict(record)
+    stats = record.pop("stats", None)
+    return {"spec": spec.to_dict(), "validation": record, **({"stats": stats} if stats else {})}
+
+
+def add_schedule_candidates(stats: dict, schedule: dict, data, layout) -> None:
+    """Add the confidence thresholds the batch schedule picked to the confidence rule's statistics, so
+    that re-pricing the schedule with the same table picks them again."""
+    from specstop.eval.price_free import candidate
+    from specstop.eval.segments import fast_replay
+
+    have = [c["params"] for c in stats["candidates"]]
+    for entry in schedule["entries"]:
+        thr = entry.get("threshold")
+        if not thr:
+            continue
+        params = {"threshold": float(thr["threshold"]), "sl_max": int(thr["sl_max"]), "rule": "below"}
+        if params not in have:
+            spec = PolicySpec(kind="confidence", threshold=params["threshold"], sl_max=params["sl_max"])
+            stats["candidates"].append(candidate(params, fast_replay(data, spec, layout)))
+            have.append(params)
+
+
 def tune_dataset(
     data_dir,
     split: str,
@@ -187,22 +243,22 @@ def tune_dataset(
     policies = {}
     k_max = max(sl_max_grid)
     spec, rec = tune_static(data, cost, k_max, layout=layout)
-    policies["static_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    policies["static_opt"] = policy_entry(spec, rec)
     # The heuristic keeps the default cap (20) unless the rollouts support less.
     supported = max_sl_supported(data)
     h_cap = DEFAULT_SL_MAX if supported is None else min(DEFAULT_SL_MAX, supported)
     spec, rec = tune_heuristic(data, cost, heuristic_starts, sl_max=h_cap, layout=layout)
-    policies["heuristic_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    policies["heuristic_opt"] = policy_entry(spec, rec)
     spec, rec = tune_threshold(
         data, PolicySpec(kind="confidence", threshold=0.4), cost, sl_max_grid, layout=layout
     )
-    policies["confidence_opt"] = {"spec": spec.to_dict(), "validation": rec}
+    policies["confidence_opt"] = policy_entry(spec, rec)
     # A training-free baseline with SpecDec++'s cumulative rule on the draft's own top-1: it shows how
     # much of a learned policy's gain comes from its scores rather than from the rule.
     spec, rec = tune_threshold(
         data, PolicySpec(kind="confidence", rule="cumprod", threshold=0.5), cost, sl_max_grid, layout=layout
     )
-    policies["confidence_cumprod"] = {"spec": spec.to_dict(), "validation": rec}
+    policies["confidence_cumprod"] = policy_entry(spec, rec)
     for name, meta in info.items():
         base = PolicySpec(
             kind="predictor",
@@ -214,7 +270,7 @@ def tune_dataset(
         rules = (meta["rule"],) + tuple(r for r in ("below", "cumprod") if r != meta["rule"])
         spec, rec = tune_rules(data, base, cost, sl_max_grid, rules=rules, layout=layout,
                                paper_grid=SPECDECPP_GRID if meta["family"] == "specdecpp_resnet" else None)
-        policies[name] = {"spec": spec.to_dict(), "validation": rec}
+        policies[name] = policy_entry(spec, rec)
     best = min(policies, key=lambda n: policies[n]["validation"]["latency_per_token"])
     # Token trees, when the cost model measured their costs. Kept apart from "policies" (chain
     # PolicySpecs that eval and export replay); `specstop export --policy tree_opt` finds them here.
@@ -232,6 +288,7 @@ def tune_dataset(
         from specstop.eval.batch_schedule import batch_schedule
 
         batch = batch_schedule(data, cost, k_max=k_max, sl_max_grid=sl_max_grid, layout=layout)
+        add_schedule_candidates(policies["confidence_opt"]["stats"], batch, data, layout)
     return {
         "schema_version": TUNED_SCHEMA_VERSION,
         "policies": policies,

@@ -27,7 +27,7 @@ from specstop.errors import UserError
 from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 
-ENTRY_KEYS = frozenset({"decoding", "policy", "speedup", "source"})
+ENTRY_KEYS = frozenset({"decoding", "policy", "speedup", "source", "stats"})
 
 
 def setting_of(decoding: Any) -> tuple[float, int, float]:

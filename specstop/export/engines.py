@@ -73,6 +73,12 @@ def _prediction(entry: dict) -> dict:
     return {k: v.get(k) for k in keys if k in v}
 
 
+def _stats(entry: dict) -> dict:
+    """An option's price-free statistics (:mod:`specstop.eval.price_free`): what the replay counted for
+    the policy's candidates, so another cost table - this engine's own - re-prices it with no data."""
+    return {"stats": entry["stats"]} if entry.get("stats") else {}
+
+
 def hf_usage(settings_file: str, option: str) -> str:
     """How an hf.json rule-based option is applied (transformers reads these from the draft's
     generation_config): one line that runs as written once ``target``, ``draft`` and ``inputs`` (the
@@ -631,7 +637,7 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
             "sglang": lambda e: _sglang(e, draft, target),
             "trtllm": lambda e: _trtllm(e, draft, target, folder),
         }[engine](entry)
-        options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body}
+        options[name] = {"policy": entry["spec"], "predicted": _prediction(entry), **body, **_stats(entry)}
     if engine in ("hf", "vllm") and hf_export is not None:
         name, export = hf_export
         entry = _policy(tuned, name)

@@ -160,6 +160,7 @@ def export_policy(
     tree: str | None = None,
     node_head: StoppingPredictor | None = None,
     by_decoding: list[dict] | None = None,
+    stats: dict | None = None,
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
@@ -183,6 +184,8 @@ def export_policy(
         node_head: a ``tree_node_mlp`` predictor steering a dynamic ``tree`` (its weights are exported).
         by_decoding: the policy per decoding setting (:mod:`specstop.export.by_decoding`), ``spec``'s own
             setting among them.
+        stats: the policy's price-free statistics (:mod:`specstop.eval.price_free`): decoders re-pick its
+            threshold, SL_max or K from them as live step costs move.
 
     Raises:
         ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
@@ -213,7 +216,7 @@ def export_policy(
         )
     config = export_config(
         spec, predictor, name=name, pair=pair, decoding=decoding, cost_model=cost_model, validation=validation,
-        label=label, source=source,
+        label=label, source=source, stats=stats,
     )
     if by_decoding is not None:
         from specstop.export.by_decoding import check_entries, setting_of
@@ -446,7 +449,8 @@ def export_from_files(
             raise ExportError(f"--also-tuned: no decoding setting is recorded for {tuned}'s own policy (its dataset "
                               f"{ds} has no manifest): pass --data DIR, the dataset it was tuned on")
         base = {"decoding": decoding, "policy": spec.to_dict(), "speedup": (entry.get("validation") or {}).get("speedup"),
-                "source": {"tuned": str(tuned), "dataset": str(ds) if ds else None}}
+                "source": {"tuned": str(tuned), "dataset": str(ds) if ds else None},
+                **({"stats": entry["stats"]} if entry.get("stats") else {})}
         by_decoding = [base, *(_setting_entry(path, name, spec, checkpoint, manifest) for path in also_tuned)]
     return export_policy(
         out,
@@ -458,6 +462,7 @@ def export_from_files(
         by_decoding=by_decoding,
         cost_model=t.get("cost_model"),
         validation=entry.get("validation"),
+        stats=entry.get("stats"),
         label=meta.get("label"),
         source={"checkpoint": str(checkpoint) if checkpoint else None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
         allow_missing_pair=allow_missing_pair,
@@ -503,7 +508,8 @@ def _setting_entry(path: str | Path, name: str, spec: PolicySpec, checkpoint, ma
     decoding = {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
     log.info("--also-tuned %s: %s at %s", path, other.label, describe(decoding))
     return {"decoding": decoding, "policy": other.to_dict(), "speedup": (entry.get("validation") or {}).get("speedup"),
-            "source": {"tuned": str(path), "dataset": str(ds) if ds else None}}
+            "source": {"tuned": str(path), "dataset": str(ds) if ds else None},
+            **({"stats": entry["stats"]} if entry.get("stats") else {})}
 
 
 def _same_file(a: str | Path, b: str | Path | None) -> bool:

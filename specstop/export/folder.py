@@ -63,6 +63,7 @@ def export_config(
     validation: dict | None = None,
     label: str | None = None,
     source: dict | None = None,
+    stats: dict | None = None,
 ) -> dict[str, Any]:
     """The ``config.json`` of an export (schema in the module docstring)."""
     config: dict[str, Any] = {
@@ -82,6 +83,8 @@ def export_config(
         "source": source or {},
         "export_check": None,
     }
+    if stats:
+        config["stats"] = stats
     if predictor is not None:
         config["predictor"] = {
             "family": predictor.family,

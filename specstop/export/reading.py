@@ -113,7 +113,7 @@ def export_draft_quant(folder: str | Path) -> str | None:
 # newer writer, and a reader that ignored it could run with settings the file does not mean.
 CONFIG_KEYS = frozenset({
     "format", "model_type", "schema_version", "specstop_version", "created", "name", "policy", "predictor",
-    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree", "by_decoding",
+    "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree", "by_decoding", "stats",
 })
 PREDICTOR_KEYS = frozenset({"family", "config", "label", "num_parameters", "weights", "dtype"})
 

@@ -147,6 +147,8 @@ class StoppingPolicy(
 
             self._by_decoding = check_entries(self.config["by_decoding"], spec, "by_decoding")
         self.setting: dict | None = self.config.get("decoding") if self._by_decoding else None
+        # The price-free statistics of the spec in use (live re-pricing re-picks from them).
+        self.stats: dict | None = self.config.get("stats")
         self._round = make_round_policy(spec)
         self._j = 0
         self._batch: list[RoundPolicy] = []
@@ -267,12 +269,29 @@ class StoppingPolicy(
                 from specstop.export.by_decoding import pick
 
                 entry, spec = self._by_decoding[pick([e for e, _ in self._by_decoding], decoding)]
-                if spec != self.spec:
+                # Another setting's policy; the same setting keeps the spec in use (live re-pricing may
+                # have moved its threshold).
+                if entry["decoding"] != self.setting:
                     self.spec = spec
                     self._round = make_round_policy(spec)
+                    self.stats = entry.get("stats")
                 self.setting = entry["decoding"]
         if vocab_size is not None:
             self.vocab_size = vocab_size
+        return self
+
+    def set_spec(self, spec: PolicySpec) -> StoppingPolicy:
+        """Run ``spec`` from the next round on: another threshold, SL_max, rule, K or start of the same
+        policy (live re-pricing, :mod:`specstop.decode.live_pricing`). Call it between rounds.
+
+        Raises:
+            UserError: ``spec`` is another kind of policy (or reads other inputs) than the one in use.
+        """
+        if (spec.kind, spec.family, spec.reads) != (self.spec.kind, self.spec.family, self.spec.reads):
+            raise UserError(f"cannot switch policy {self.spec.label} to {spec.label}: only its threshold, SL_max, "
+                            "rule, K or start may change")
+        self.spec = spec
+        self._round = make_round_policy(spec)
         return self
 
     def temperature_mismatch(self, decoding: DecodingConfig) -> str | None:

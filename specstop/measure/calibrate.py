@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstop import clock
 from specstop.errors import MissingInputError, UserError
 from specstop.eval.cost import CostModel
 from specstop.eval.cost_check import (
-    decoder_problems,
     order_problems,
     section_disagreement,
     spread_problems,
@@ -120,9 +119,29 @@ def build_context(tokenizer, prompts: list[str], length: int) -> list[int]:
     return ids
 
 
+class _BudgetSpent(Exception):
+    """Raised between a decoder's rounds when the calibration's time budget is spent."""
+
+
+#: The decoder's runs calibrate-cost interleaves with the table's forwards: (name, policy, max_draft, tokens).
+DECODER_RUNS = (("target-only step", "static:1", 0, 6), ("static:4 round", "static:4", None, 12))
+
+
 def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float = 60.0, k_grid=K_GRID,
-              progress: bool = True, seed: int = 0) -> dict:
-    """Raw timings ``{"draft": [s, ...], "target": {K: [s, ...]}, "rounds": R, "seconds": S}``."""
+              progress: bool = True, seed: int = 0, decoder: bool = False) -> dict:
+    """Time the table's forwards in windows, and with ``decoder`` the real decoder's rounds between them.
+
+    A window times every forward the table prices once, in shuffled order: :data:`DRAFT_STEPS_PER_ROUND`
+    draft steps and one target pass over K + 1 tokens for every K of ``k_grid``, each at
+    ``context_tokens`` of context and rolled back. With ``decoder``, the chain decoder decodes
+    (:data:`DECODER_RUNS`: target-only steps, static K = 4 rounds, in turns, each run from the context)
+    and a window is timed after each of its rounds, so each round has the table's forwards measured
+    beside it, in the same minute: a machine that moves between levels moves both.
+
+    Returns:
+        ``{"draft": [s, ...], "target": {K: [s, ...]}, "rounds": windows, "seconds": S, "windows": [{"draft":
+        median s, "target": {K: s}}, ...], "decoder": [{"run": name, "k": K, "seconds": s, "window": i}, ...]}``.
+    """
     from tqdm.auto import tqdm
 
     ctx = context[:context_tokens]
@@ -139,28 +158,59 @@ def time_pair(pair, context: list[int], *, context_tokens: int, budget_s: float 
     rng = random.Random(seed)
     draft_s: list[float] = []
     target_s: dict[int, list[float]] = {int(k): [] for k in k_grid}
-    t_start = time.perf_counter()
+    windows: list[dict] = []
+    rounds_log: list[dict] = []
+    t_start = clock.now()
     bar = tqdm(total=round(budget_s), unit="s", desc="calibrate", disable=not progress,
                bar_format="{desc} {bar} {n:.0f}/{total:.0f} s")
-    rounds = 0
-    while True:
+
+    def window() -> bool:
+        """Time one window; True once the budget is spent (and the minimum taken)."""
         order = list(k_grid)
         rng.shuffle(order)
-        for i in range(DRAFT_STEPS_PER_ROUND):
-            draft_s.append(draft.time_feed(block[i : i + 1])[0])
-        for k in order:
-            target_s[int(k)].append(target.time_feed(block[: k + 1])[0])
-        rounds += 1
-        elapsed = time.perf_counter() - t_start
+        steps = [draft.time_feed(block[i : i + 1])[0] for i in range(DRAFT_STEPS_PER_ROUND)]
+        passes = {int(k): target.time_feed(block[: k + 1])[0] for k in order}
+        draft_s.extend(steps)
+        for k, t in passes.items():
+            target_s[k].append(t)
+        windows.append({"draft": float(np.median(steps)), "target": passes})
+        elapsed = clock.now() - t_start
         bar.n = min(elapsed, budget_s)
         bar.set_description_str(
-            f"calibrate (round {rounds}: draft step {np.median(draft_s):.3f} s, target K={min(k_grid)} "
+            f"calibrate (window {len(windows)}: draft step {np.median(draft_s):.3f} s, target K={min(k_grid)} "
             f"{np.median(target_s[min(k_grid)]):.3f} s, K={max(k_grid)} {np.median(target_s[max(k_grid)]):.3f} s)"
         )
-        if rounds >= MIN_ROUNDS and elapsed >= budget_s:
-            break
+        return len(windows) >= MIN_ROUNDS and elapsed >= budget_s
+
+    if decoder:
+        from specstop.decode.chain import SpeculativeDecoder
+        from specstop.export.runtime import StoppingPolicy
+
+        runs = [(name, SpeculativeDecoder(pair, StoppingPolicy.from_string(spec), live_pricing=False), cap, tokens)
+                for name, spec, cap, tokens in DECODER_RUNS]
+        for _, dec, cap, _ in runs:
+            dec.generate(ctx, 2, max_draft=cap)  # warm-up: the decoder's own shapes
+
+        def after_round(run: str):
+            def record(k: int, seconds: float) -> None:
+                rounds_log.append({"run": run, "k": int(k), "seconds": float(seconds), "window": len(windows)})
+                if window():
+                    raise _BudgetSpent
+
+            return record
+
+        try:
+            while True:
+                for name, dec, cap, tokens in runs:
+                    dec.generate(ctx, tokens, max_draft=cap, on_round=after_round(name))
+        except _BudgetSpent:
+            pass
+    else:
+        while not window():
+            pass
     bar.close()
-    return {"draft": draft_s, "target": target_s, "rounds": rounds, "seconds": time.perf_counter() - t_start}
+    return {"draft": draft_s, "target": target_s, "rounds": len(windows), "seconds": clock.now() - t_start,
+            "windows": windows, "decoder": rounds_log}
 
 
 def _tree_parents(n: int) -> list[int]:
@@ -198,13 +248,13 @@ def time_tree(pair, context: list[int], *, context_tokens: int, budget_s: float 
         model.time_feed(tokens, tree_inputs(model, parents))
     samples: dict = {("target", n): [] for n in n_grid} | {("draft", w): [] for w in w_grid}
     rng = random.Random(seed)
-    t_start, rounds = time.perf_counter(), 0
+    t_start, rounds = clock.now(), 0
     while True:
         rng.shuffle(jobs)
         for kind, size, model, tokens, parents in jobs:
             samples[(kind, size)].append(model.time_feed(tokens, tree_inputs(model, parents))[0])
         rounds += 1
-        if rounds >= MIN_ROUNDS and time.perf_counter() - t_start >= budget_s:
+        if rounds >= MIN_ROUNDS and clock.now() - t_start >= budget_s:
             break
     if progress:
         log.info("calibrate: token-tree costs timed in %d rounds", rounds)
@@ -217,7 +267,7 @@ def time_tree(pair, context: list[int], *, context_tokens: int, budget_s: float 
         "iqr": {f"{kind}:{size}": [float(np.percentile(v, 25)), float(np.percentile(v, 75))]
                 for (kind, size), v in samples.items()},
         "rounds": rounds,
-        "seconds": time.perf_counter() - t_start,
+        "seconds": clock.now() - t_start,
         "method": "interleaved rounds, medians; target: pending token + N nodes (binary tree) under the tree "
                   "mask; draft: W sibling nodes under the tree mask",
     }
@@ -248,17 +298,17 @@ def time_policy_step(policy, pair, *, repeats: int = 50) -> float:
         policy.reset()
         policy.should_stop(logits, hidden, position=0)  # j = 1 (hidden heads skip it)
         sync(dev)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         policy.should_stop(logits, hidden, position=1)
         sync(dev)
         if r >= 5:
-            ts.append(time.perf_counter() - t0)
+            ts.append(clock.now() - t0)
     return float(np.median(ts))
 
 
 def machine_record(pair, context_tokens: int) -> dict:
     """Where the costs were measured (the cost model's ``machine``)."""
-    from specstop.pair.fast_paths import single_row_record
+    from specstop.pair.fast_paths import route_record
     from specstop.pair.hardware import cpu_flags, cpu_model_name
 
     dev = torch.device(pair.target_device)
@@ -270,7 +320,7 @@ def machine_record(pair, context_tokens: int) -> dict:
         "torch": torch.__version__,
         "dtype": pair.target_identity.dtype,
         "dtype_reason": pair.dtype_record().get("reason"),
-        "single_row_kernels": single_row_record(),
+        "linear_route": route_record(),
         "context_tokens": int(context_tokens),
         "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
@@ -376,37 +426,94 @@ def settle_order(pair, context: list[int], raw: dict, *, context_tokens: int, bu
             "seconds": raw["seconds"] + again["seconds"]}
 
 
-def decoder_check(pair, context: list[int], cost: CostModel, *, context_tokens: int, tokens: int = 12) -> dict:
-    """What the real decoder pays for rounds the table prices, at the calibration's context.
+def window_round_cost(window: dict, k: int) -> float:
+    """What the table's forwards timed in ``window`` price a round of ``k`` drafted tokens at (a
+    target-only step for K = 0), interpolated between the K timed, as the cost model does."""
+    cost = CostModel(t_draft=window["draft"], t_target=1e-9, target_by_k=window["target"], provenance="measured")
+    return cost.round_cost(int(k))
 
-    Two runs of :class:`~specstop.decode.chain.SpeculativeDecoder` (greedy): target-only steps
-    (every round K = 0) against t_target(0), and static K = 4 rounds against the table's round cost
-    for the K each round drafted (draft steps included). The first round of each run is left out
-    (it also feeds the prompt's last token).
+
+def decoder_check(raw: dict) -> dict:
+    """Each of the decoder's runs against the table's forwards timed beside its rounds.
+
+    Every round of :func:`time_pair`'s decoder runs is set against the round cost the window timed right
+    after it predicts (:func:`window_round_cost`): like with like, in the same minute, so a machine that
+    moves between levels moves both sides. A run's ratio is the median of its rounds' ratios.
 
     Returns:
-        ``{check: {"measured": s, "predicted": s, "ratio": measured / predicted, "rounds": n}}``, seconds
-        per round.
+        ``{run: {"measured": s, "predicted": s, "ratio": median measured / predicted, "ratio_iqr": [q1, q3],
+        "rounds": n}}``, seconds per round (medians).
     """
-    from specstop.decode.chain import SpeculativeDecoder
-    from specstop.export.runtime import StoppingPolicy
-
-    prompt = context[:context_tokens]
     out = {}
-    runs = (("target-only step", "static:1", 0), ("static:4 round", "static:4", None))
-    for name, spec, max_draft in runs:
-        dec = SpeculativeDecoder(pair, StoppingPolicy.from_string(spec))
-        dec.generate(prompt, 3, max_draft=max_draft)  # warm-up
-        res = dec.generate(prompt, tokens, max_draft=max_draft)
-        secs = res.timings["round_seconds"][1:]
-        ks = res.round_lengths[1:]
-        if not secs:
+    windows = raw.get("windows") or []
+    for name in dict.fromkeys(r["run"] for r in raw.get("decoder") or []):
+        rows = [(r["seconds"], window_round_cost(windows[r["window"]], r["k"])) for r in raw["decoder"]
+                if r["run"] == name and r["window"] < len(windows)]
+        if not rows:
             continue
-        # Seconds per round: the median of equal rounds, the mean where K varies from round to round.
-        measured = float(np.median(secs)) if max_draft == 0 else float(np.mean(secs))
-        predicted = cost.target_cost(0) if max_draft == 0 else float(np.mean([cost.round_cost(k) for k in ks]))
-        out[name] = {"measured": measured, "predicted": predicted, "ratio": measured / predicted, "rounds": len(secs)}
+        measured = np.array([m for m, _ in rows])
+        predicted = np.array([p for _, p in rows])
+        ratios = measured / predicted
+        out[name] = {"measured": float(np.median(measured)), "predicted": float(np.median(predicted)),
+                     "ratio": float(np.median(ratios)),
+                     "ratio_iqr": [float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75))],
+                     "rounds": len(rows)}
     return out
+
+
+#: Two levels are reported when the windows split into groups whose medians differ by this factor...
+LEVEL_GAP = 1.10
+#: ... and the smaller group holds at least this share of the windows.
+LEVEL_SHARE = 0.15
+
+
+def levels(values) -> list[dict] | None:
+    """Two cost levels in a series of window timings, or None when it sits at one.
+
+    The split of the sorted log-timings into a low and a high group with the least within-group
+    variance (one-dimensional 2-means, exact); reported when the groups' medians differ by at least
+    :data:`LEVEL_GAP` and the smaller holds at least :data:`LEVEL_SHARE` of the windows.
+
+    Returns:
+        ``[{"seconds": low median, "share": fraction}, {"seconds": high median, "share": fraction}]``.
+    """
+    v = np.sort(np.asarray([x for x in values if x > 0], dtype=np.float64))
+    n = len(v)
+    if n < 6:
+        return None
+    logs = np.log(v)
+    best = None
+    for i in range(1, n):
+        lo, hi = logs[:i], logs[i:]
+        sse = float(((lo - lo.mean()) ** 2).sum() + ((hi - hi.mean()) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, i)
+    i = best[1]
+    low, high = float(np.median(v[:i])), float(np.median(v[i:]))
+    if high / low < LEVEL_GAP or min(i, n - i) / n < LEVEL_SHARE:
+        return None
+    return [{"seconds": low, "share": i / n}, {"seconds": high, "share": (n - i) / n}]
+
+
+def machine_levels(raw: dict) -> dict:
+    """``{"draft step" | "target K=k": levels}`` for every forward whose windows sat at two levels."""
+    windows = raw.get("windows") or []
+    out = {}
+    series = {"draft step": [w["draft"] for w in windows]}
+    for k in sorted({k for w in windows for k in w["target"]}):
+        series[f"target K={k}"] = [w["target"][k] for w in windows if k in w["target"]]
+    for name, values in series.items():
+        found = levels(values)
+        if found:
+            out[name] = found
+    return out
+
+
+def describe_levels(found: dict) -> str:
+    """One line of the levels :func:`machine_levels` found."""
+    parts = [f"{name} {found[name][0]['seconds']:.3f} s ({100 * found[name][0]['share']:.0f}% of windows) and "
+             f"{found[name][1]['seconds']:.3f} s ({100 * found[name][1]['share']:.0f}%)" for name in found]
+    return "; ".join(parts)
 
 
 def pearl_split(pair, cost: CostModel, *, context_tokens: int) -> dict | None:
@@ -439,7 +546,8 @@ def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float 
     against the decoder; returns the measured :class:`CostModel` (its ``fit`` carries the check) and
     the raw timings (for :func:`calibration_plot`). ``measure_tree`` adds the token-tree costs
     (:func:`time_tree`, a quarter of ``budget_s``) as the cost model's ``tree`` section."""
-    raw = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=k_grid, progress=progress)
+    raw = time_pair(pair, context, context_tokens=context_tokens, budget_s=budget_s, k_grid=k_grid, progress=progress,
+                    decoder=check_decoder)
     suspects = suspect_ks(raw)
     if suspects:
         log.info("calibrate: re-measuring K = %s (spread or order check failed)", ", ".join(map(str, suspects)))
@@ -450,10 +558,10 @@ def calibrate(pair, *, context: list[int], context_tokens: int, budget_s: float 
     steps = {n: time_policy_step(p, pair) for n, p in (policies or {}).items()}
     cost = fit_cost(raw, name=name, machine=machine_record(pair, context_tokens), policy_steps=steps)
     if check_decoder:
-        cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
-        if decoder_problems(cost.fit["decoder_check"]):  # once more: a burst of load is not a verdict
-            log.info("calibrate: the decoder disagreed with the table; checking once more")
-            cost.fit["decoder_check"] = decoder_check(pair, context, cost, context_tokens=context_tokens)
+        cost.fit["decoder_check"] = decoder_check(raw)
+    found = machine_levels(raw)
+    if found:
+        cost.fit["levels"] = found
     cost.fit["check"] = {"remeasured": raw.get("remeasured", []), "reproduced": raw.get("reproduced", [])}
     cost.fit["check"]["problems"] = table_problems(cost)
     cost.fit["check"]["warnings"] = table_warnings(cost)

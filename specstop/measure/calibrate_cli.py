@@ -182,6 +182,12 @@ def run(args: CalibrateSettings) -> int:
     t = cost.target_by_k
     log.info("%s", cost.provenance_line())
     check = cost.fit["check"]
+    if cost.fit.get("levels"):
+        from specstop.measure.calibrate import describe_levels
+
+        log.warning("the machine moved between two cost levels while calibrating: %s. The table keeps the medians; "
+                    "the decoder's rounds, timed in the same windows, are checked against them like for like, and "
+                    "decoders re-price their policies as the costs they meet move", describe_levels(cost.fit["levels"]))
     if check["warnings"]:
         log.warning("cost table: samples still spread after a re-measure (medians kept): %s", "; ".join(check["warnings"]))
     if check["problems"]:
@@ -199,6 +205,7 @@ def run(args: CalibrateSettings) -> int:
                  ", ".join(f"W={w}: {v:.3f} s" for w, v in cost.tree["t_draft_width"].items()))
     if not check["problems"]:
         agree = ", ".join(f"{n} {r['ratio']:.2f}x" for n, r in cost.fit.get("decoder_check", {}).items())
+        agree += " (each round against the table's forwards timed beside it)" if agree else ""
         log.info("cost table check passed%s%s%s", f" (re-measured K = {check['remeasured']})" if check["remeasured"] else "",
                  f"; reproduced as measured: K = {check['reproduced']}" if check["reproduced"] else "",
                  f"; decoder / table: {agree}" if agree else "")

@@ -8,11 +8,11 @@ sample sees the same context length. ``dtype: auto`` (:mod:`specstop.pair.dtype_
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
+from specstop import clock
 from specstop.pair.compat import cache_kwarg
 from specstop.pair.static_cache import CACHE_BUCKETS, compiled_forward, rewind, static_cache_length
 
@@ -70,13 +70,13 @@ class CachedForward:
         """
         ids = torch.tensor([tokens] * self.batch, device=self.device)
         sync(self.device)
-        t0 = time.perf_counter()
+        t0 = clock.now()
         extra = inputs() if inputs is not None else self._positions(self.length, len(tokens))
         out = self.forward(input_ids=ids, **cache_kwarg(self.model, self.cache), use_cache=True,
                            logits_to_keep=len(tokens), **extra)
         nxt = int(out.logits[0, -1].argmax())
         sync(self.device)
-        dt = time.perf_counter() - t0
+        dt = clock.now() - t0
         if self.static:
             rewind(self.cache, self.length)
         else:

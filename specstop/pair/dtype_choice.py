@@ -41,7 +41,7 @@ _DTYPES = {
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 WORKLOADS = ("decode", "generate")
-CHECK_VERSION = "pair-timing-v1"  # older cached checks (a synthetic matmul) are not reused
+CHECK_VERSION = "pair-timing-v2"  # older cached checks (a synthetic matmul; two routes) are not reused
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def choose_cpu_dtype(*, pair: tuple[str, str] | None = None, workload: str = "de
     if pair is None:
         return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured: no pair to time)", cpu, flags)
     import specstop.pair.dtype_timing as dtype_timing
-    from specstop.pair.fast_paths import record_single_row_choice
+    from specstop.pair.fast_paths import record_route_choice
 
     key = (f"{CHECK_VERSION}|{cpu}|{'+'.join(flags)}|torch {torch.__version__}|threads {torch.get_num_threads()}"
            f"|pair {pair_key(*pair)}")
@@ -115,13 +115,8 @@ def choose_cpu_dtype(*, pair: tuple[str, str] | None = None, workload: str = "de
             return DtypeChoice("bfloat16", "cpu", f"CPU has {'+'.join(flags)} (not measured: {room})", cpu, flags)
         m = dtype_timing.measure_pair_dtypes(*pair)
         store_check(key, m)
-    route = m["single_row"]
-    record_single_row_choice(
-        torch.bfloat16, route == "mv",
-        f"one-row bfloat16 linears via {'torch.mv' if route == 'mv' else 'F.linear'} (timed on this pair: draft + "
-        f"target step {m['draft']['bfloat16+mv']['step'] + m['target']['bfloat16+mv']['step']:.3f} s with torch.mv, "
-        f"{m['draft']['bfloat16+linear']['step'] + m['target']['bfloat16+linear']['step']:.3f} s with F.linear)",
-    )
+    for name, route in m["routes"].items():
+        record_route_choice(_DTYPES[name], route, dtype_timing.describe_routes(m, name))
     totals = m[workload]
     best = min(totals, key=totals.get)
     other = next(d for d in totals if d != best)

@@ -11,10 +11,11 @@ round is exact, so rounds alternate and drift hits both dtypes alike):
 * ``verify``: ``VERIFY_TOKENS`` tokens at once (the target verifying K = 8 drafted tokens);
 * ``batch``: ``BATCH_ROWS`` sequences stepping one token each (batched data generation).
 
-In bf16 the one-row kernel route (``F.linear`` or ``torch.mv``, :mod:`specstop.pair.fast_paths`)
-is timed both ways in the same rounds, so the dtype and the route are settled by one measurement.
-About a minute for the 0.5B/1.5B reference pair on a 2-core CPU, once per CPU, torch version,
-thread count and pair (the result is cached).
+In each dtype every linear route that applies (``F.linear``, ``torch.mv`` for one row, one row
+padded to two, oneDNN's packed weights: :mod:`specstop.pair.fast_paths`) is timed in the same
+rounds, so the dtype and the route are settled by one measurement. About two minutes for the
+0.5B/1.5B reference pair on a 2-core CPU, once per CPU, torch version, thread count and pair (the
+result is cached).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ BATCH_ROWS = 8
 BATCH_CONTEXT = 16
 ROUNDS = 2
 REPS = 3
-VARIANTS = ("float32", "bfloat16+linear", "bfloat16+mv")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def variants() -> tuple[str, ...]:
+    """``dtype+route`` for every linear route that applies to each candidate dtype in this torch build."""
+    from specstop.pair.fast_paths import ROUTES, route_applies
+
+    return tuple(f"{name}+{route}" for name, dtype in DTYPES.items() for route in ROUTES if route_applies(route, dtype))
 
 
 def _cached_forward(model, rows: int, context: int, seed: int):
@@ -46,11 +54,11 @@ def _cached_forward(model, rows: int, context: int, seed: int):
     return CachedForward(model, ids[:context], batch=rows), ids[context:]
 
 
-def _time_dtype(model, routes: tuple[bool, ...], *, verify: bool, reps: int, seed: int) -> list[dict[str, list[float]]]:
-    """Per one-row route in ``routes`` (False: F.linear, True: torch.mv), ``{"step": [...],
-    "batch": [...][, "verify": [...]]}`` seconds for ``model`` in its current dtype. The routes share
-    the filled caches and alternate rep by rep, so drift hits both."""
-    from specstop.pair.fast_paths import route_single_rows
+def _time_dtype(model, routes: tuple[str, ...], *, verify: bool, reps: int, seed: int) -> list[dict[str, list[float]]]:
+    """Per linear route in ``routes``, ``{"step": [...], "batch": [...][, "verify": [...]]}`` seconds for
+    ``model`` in its current dtype. The routes share the filled caches and alternate rep by rep, so
+    drift hits all alike."""
+    from specstop.pair.fast_paths import apply_route
 
     single, feed = _cached_forward(model, 1, CONTEXT_TOKENS, seed)
     batch, batch_feed = _cached_forward(model, BATCH_ROWS, BATCH_CONTEXT, seed + 1)
@@ -59,8 +67,8 @@ def _time_dtype(model, routes: tuple[bool, ...], *, verify: bool, reps: int, see
         kinds["verify"] = lambda: single.time_feed(feed[:VERIFY_TOKENS])[0]
     out: list[dict[str, list[float]]] = [{k: [] for k in kinds} for _ in routes]
     for rep in range(reps + 1):  # rep 0 warms up: allocator, kernel selection per shape
-        for i, use_mv in enumerate(routes):
-            route_single_rows(model, use_mv=use_mv)
+        for i, route in enumerate(routes):
+            apply_route(model, route, keep_packed=True)
             for kind, fn in kinds.items():
                 t = fn()
                 if rep:
@@ -78,9 +86,9 @@ def time_model(source: str | torch.nn.Module, *, verify: bool, rounds: int = ROU
         verify: also time the ``VERIFY_TOKENS`` forward (the target's verification).
 
     Returns:
-        ``{variant: {"step": s, "batch": s[, "verify": s]}}``.
+        ``{variant: {"step": s, "batch": s[, "verify": s]}}`` for every ``dtype+route`` of :func:`variants`.
     """
-    from specstop.pair.fast_paths import contiguous_output_head, route_single_rows
+    from specstop.pair.fast_paths import apply_route, contiguous_output_head
 
     if isinstance(source, torch.nn.Module):
         model = source
@@ -90,17 +98,20 @@ def time_model(source: str | torch.nn.Module, *, verify: bool, rounds: int = ROU
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model.eval()
     contiguous_output_head(model)
-    samples: dict[str, dict[str, list[float]]] = {v: {} for v in VARIANTS}
+    names = variants()
+    samples: dict[str, dict[str, list[float]]] = {v: {} for v in names}
     try:
         for r in range(rounds):
-            for dtype, variants in ((torch.float32, ("float32",)), (torch.bfloat16, ("bfloat16+linear", "bfloat16+mv"))):
+            for name, dtype in DTYPES.items():
+                apply_route(model, "linear")  # packed copies are of the old dtype's weights
                 model.to(dtype)  # bf16 -> float32 is exact: later float32 rounds time the same weights' shapes
-                routes = tuple(v.endswith("+mv") for v in variants)
-                for variant, got in zip(variants, _time_dtype(model, routes, verify=verify, reps=reps, seed=seed + r)):
-                    for kind, ts in got.items():
-                        samples[variant].setdefault(kind, []).extend(ts)
+                routes = tuple(v.split("+")[1] for v in names if v.split("+")[0] == name)
+                got = _time_dtype(model, routes, verify=verify, reps=reps, seed=seed + r)
+                for route, kinds in zip(routes, got):
+                    for kind, ts in kinds.items():
+                        samples[f"{name}+{route}"].setdefault(kind, []).extend(ts)
     finally:
-        route_single_rows(model, use_mv=False)
+        apply_route(model, "linear")
         model.to(torch.float32)
     return {v: {k: float(np.median(ts)) for k, ts in kinds.items()} for v, kinds in samples.items()}
 
@@ -125,10 +136,10 @@ def measure_pair_dtypes(draft: str, target: str) -> dict:
     """Time the draft and then the target (one model in memory at a time) and decide.
 
     Returns:
-        ``{"draft": {variant: {...}}, "target": {variant: {...}}, "single_row": "mv" | "linear",
-        "decode": {dtype: s}, "generate": {dtype: s}, "seconds": s}`` where ``decode`` is a draft
-        step + a target step + a K = 8 verification and ``generate`` a batched draft step + a
-        batched target step, each in its dtype's faster one-row route.
+        ``{"draft": {variant: {...}}, "target": {variant: {...}}, "routes": {dtype: route}, "decode":
+        {dtype: s}, "generate": {dtype: s}, "seconds": s}`` where ``decode`` is a draft step + a target
+        step + a K = 8 verification and ``generate`` a batched draft step + a batched target step,
+        each in its dtype's fastest linear route.
     """
     t0 = time.perf_counter()
     log.info("dtype auto: timing the draft's and the target's forwards in float32 and bfloat16 "
@@ -141,28 +152,49 @@ def measure_pair_dtypes(draft: str, target: str) -> dict:
 
 
 def decide(figures: dict) -> dict:
-    """The one-row route for bf16 and each workload's total per dtype, from :func:`time_model` figures."""
+    """Each dtype's linear route and each workload's total per dtype, from :func:`time_model` figures.
+
+    A dtype's route is the one whose decoding (draft step + target step + K = 8 verification) is
+    fastest; the stock ``linear`` route unless another beats it by 5% (a tie keeps the stock kernel).
+    """
     d, t = figures["draft"], figures["target"]
 
-    def one_row(v: str) -> float:
-        return d[v]["step"] + t[v]["step"]
+    def decode(v: str) -> float:
+        return d[v]["step"] + t[v]["step"] + t[v]["verify"]
 
-    # torch.mv only where it is clearly faster: a tie keeps the stock kernel.
-    route = "mv" if one_row("bfloat16+mv") * 1.05 < one_row("bfloat16+linear") else "linear"
-    chosen = {"float32": "float32", "bfloat16": f"bfloat16+{route}"}
-    decode = {dt: d[v]["step"] + t[v]["step"] + t[v]["verify"] for dt, v in chosen.items()}
-    generate = {dt: d[v]["batch"] + t[v]["batch"] for dt, v in chosen.items()}
-    return {"single_row": route, "decode": decode, "generate": generate}
+    routes = {}
+    for name in DTYPES:
+        options = [v for v in d if v.split("+")[0] == name and v in t]
+        if not options:
+            continue
+        best = min(options, key=decode)
+        stock = f"{name}+linear"
+        routes[name] = (best if stock not in options or decode(best) * 1.05 < decode(stock) else stock).split("+")[1]
+    chosen = {dt: f"{dt}+{route}" for dt, route in routes.items()}
+    return {"routes": routes,
+            "decode": {dt: decode(v) for dt, v in chosen.items()},
+            "generate": {dt: d[v]["batch"] + t[v]["batch"] for dt, v in chosen.items()}}
 
 
 def describe(m: dict, workload: str) -> str:
     """One line of the figures that decided ``workload`` ("decode" or "generate")."""
-    d, t, route = m["draft"], m["target"], m["single_row"]
+    d, t = m["draft"], m["target"]
     parts = []
-    for dt, v in (("float32", "float32"), ("bfloat16", f"bfloat16+{route}")):
+    for dt, route in m["routes"].items():
+        v = f"{dt}+{route}"
         if workload == "generate":
-            parts.append(f"{dt} batch-{BATCH_ROWS} steps draft {d[v]['batch']:.3f} s + target {t[v]['batch']:.3f} s")
+            parts.append(f"{dt} ({route} route) batch-{BATCH_ROWS} steps draft {d[v]['batch']:.3f} s + target "
+                         f"{t[v]['batch']:.3f} s")
         else:
-            parts.append(f"{dt} draft step {d[v]['step']:.3f} s, target step {t[v]['step']:.3f} s, "
+            parts.append(f"{dt} ({route} route) draft step {d[v]['step']:.3f} s, target step {t[v]['step']:.3f} s, "
                          f"K=8 verification {t[v]['verify']:.3f} s")
-    return "; ".join(parts) + f" (bf16 one-row linears via {'torch.mv' if route == 'mv' else 'F.linear'})"
+    return "; ".join(parts)
+
+
+def describe_routes(m: dict, dtype: str) -> str:
+    """One line: the linear route chosen for ``dtype`` and every route's draft + target step on the pair."""
+    d, t = m["draft"], m["target"]
+    figures = ", ".join(f"{v.split('+')[1]} {d[v]['step'] + t[v]['step']:.3f} s"
+                        for v in d if v.split("+")[0] == dtype and v in t)
+    return (f"{dtype} linears via the {m['routes'][dtype]} route (timed on this pair, draft + target one-row step: "
+            f"{figures})")

@@ -222,8 +222,10 @@ def load_model(
     device: str | None = None,
     device_map: str | dict | None = None,
     revision: str | None = None,
+    pack: bool = True,
 ):
-    """Load one causal LM in eval mode, on ``device`` or spread by ``device_map``."""
+    """Load one causal LM in eval mode, on ``device`` or spread by ``device_map``; ``pack=False``: no
+    packed copy of its linear weights (:func:`specstop.pair.fast_paths.install_linear_route`)."""
     from transformers import AutoModelForCausalLM
 
     device = device or default_device()
@@ -243,7 +245,7 @@ def load_model(
         model = model.to(device)
     model.eval()
     model.requires_grad_(False)
-    install_fast_paths(model)
+    install_fast_paths(model, pack=pack)
     return model
 
 
@@ -307,12 +309,12 @@ def load_pair(
     if dtype in (None, "auto"):
         log.info("dtype auto -> %s (%s)", choice["dtype"], choice["reason"])
     dtype = resolve_dtype(choice["dtype"])
-    check_pair_fits(draft_src, target_src, dtype, offloaded=target_device_map is not None)
+    pack = check_pair_fits(draft_src, target_src, dtype, offloaded=target_device_map is not None)
     with loading_errors(f"draft {draft!r}"):
-        d_model = load_model(draft_src, dtype=dtype, device=device, revision=draft_revision)
+        d_model = load_model(draft_src, dtype=dtype, device=device, revision=draft_revision, pack=pack)
     with loading_errors(f"target {target!r}"):
         t_model = load_model(
-            target_src, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision
+            target_src, dtype=dtype, device=device, device_map=target_device_map, revision=target_revision, pack=pack
         )
     pair = pair_from_models(
         d_model,

@@ -18,13 +18,17 @@ from specstop.memory import check_fits, fmt_bytes
 from specstop.pair.weights import estimated_load_bytes
 
 
-def check_pair_fits(draft: str, target: str, dtype, *, offloaded: bool = False) -> None:
+def check_pair_fits(draft: str, target: str, dtype, *, offloaded: bool = False) -> bool:
     """Refuse to load a pair that cannot fit in the available memory.
 
     Args:
         draft, target: what will be loaded (local folders are measured; hub ids are skipped).
         dtype: the torch dtype both models load in.
         offloaded: the target is spread by a device map (its size is not all in this process's RAM).
+
+    Returns:
+        Whether a second copy of the weights fits as well: the packed linear weights of the ``packed``
+        kernel route (:mod:`specstop.pair.fast_paths`) are such a copy.
     """
     itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else 4
     sizes = {}
@@ -36,12 +40,13 @@ def check_pair_fits(draft: str, target: str, dtype, *, offloaded: bool = False) 
             if n:
                 sizes[role] = n
     if not sizes:
-        return
+        return True
     need = int(sum(sizes.values()) * 1.1)  # + activations, KV cache and allocator slack
     parts = " + ".join(f"{role} {fmt_bytes(n)}" for role, n in sizes.items())
     smaller = "" if itemsize <= 2 else "use --dtype bfloat16 (half the memory), "
-    check_fits(need, f"loading the pair in {str(dtype).replace('torch.', '')} ({parts})",
-               f"{smaller}use a smaller pair or a machine with more memory")
+    room = check_fits(need, f"loading the pair in {str(dtype).replace('torch.', '')} ({parts})",
+                      f"{smaller}use a smaller pair or a machine with more memory")
+    return room >= sum(sizes.values())
 
 
 def check_dtype_name(dtype) -> None:
