@@ -160,12 +160,16 @@ def test_online_check_sizes_itself_to_its_budget():
     assert full.estimate_s == pytest.approx(estimate(cost, lens, 32, 2, speedups))
     # A faster method costs less: its decode steps are divided by its speedup, its prefill is not.
     assert run_seconds(cost, 120, 32, 2.0) < run_seconds(cost, 120, 32) < 2 * run_seconds(cost, 120, 32, 2.0)
-    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=full.estimate_s / 3)
-    assert fit.prompts < 8 and fit.max_new_tokens == 32 and fit.estimate_s <= full.estimate_s / 3
+    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=full.estimate_s / 1.8)
+    assert fit.prompts < 8 and fit.max_new_tokens == 32 and fit.estimate_s <= full.estimate_s / 1.8
     assert "sized to its" in fit.line() and f"{fit.prompts} prompts x 32 tokens x 2 repeats x 5 methods" in fit.line()
     tiny = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=1.0)
-    assert tiny.prompts == 2 and tiny.max_new_tokens == 16  # the floor: still a check, said so in its line
+    assert tiny.prompts == 4 and tiny.max_new_tokens == 16  # the floor: still a check, said so in its line
     assert np.isfinite(tiny.estimate_s)
+    # An optional comparison (HF's defaults, the last method) goes before any token: 4 prompts x 32 tokens.
+    four = size_online_check(cost, lens[:4], max_new_tokens=32, repeats=2, speedups=speedups, budget_s=None).estimate_s
+    fit = size_online_check(cost, lens, max_new_tokens=32, repeats=2, speedups=speedups, budget_s=four * 0.9, optional=1)
+    assert (fit.prompts, fit.methods, fit.max_new_tokens) == (4, 4, 32) and "4 methods" in fit.line()
 
 
 def test_remeasuring_a_few_short_k_still_times_the_draft():

@@ -5,14 +5,16 @@ on a 2-core AMX Xeon in bf16 and was on course for 40 min on a 2-core AMD EPYC w
 had picked float32: the same config, 7x apart. Sizing it from the cost model makes it fit on any
 CPU: each run is priced as its prefill plus ``max_new_tokens`` target-only steps divided by the
 method's expected speedup (the replay's, where the eval report has one; 1 otherwise, an upper bound),
-and prompts are dropped, then tokens, until the estimate fits. What was chosen is said in one line.
+and prompts are dropped down to :data:`MIN_PROMPTS` (a check of two prompts set every method's figure
+on too few rounds to hold to 10%), then the optional methods (HF's assisted generation with its
+defaults, a comparison), then tokens, until the estimate fits. What was chosen is said in one line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_PROMPTS = 2
+MIN_PROMPTS = 4
 MIN_TOKENS = 16
 
 
@@ -63,9 +65,10 @@ def estimate(cost, prompt_lens: list[int], max_new_tokens: int, repeats: int, sp
 
 
 def size_online_check(cost, prompt_lens: list[int], *, max_new_tokens: int, repeats: int, speedups: list[float],
-                      budget_s: float | None) -> OnlineSize:
-    """The largest check within ``budget_s``: all prompts and tokens if they fit, else fewer prompts
-    (down to :data:`MIN_PROMPTS`), then fewer tokens (down to :data:`MIN_TOKENS`).
+                      budget_s: float | None, optional: int = 0) -> OnlineSize:
+    """The largest check within ``budget_s``: all prompts, methods and tokens if they fit, else fewer
+    prompts (down to :data:`MIN_PROMPTS`), then without the ``optional`` methods (the last ones of
+    ``speedups``), then fewer tokens (down to :data:`MIN_TOKENS`).
 
     Args:
         cost: the :class:`~specstop.eval.cost.CostModel` decoding is priced with.
@@ -74,14 +77,16 @@ def size_online_check(cost, prompt_lens: list[int], *, max_new_tokens: int, repe
             target alone itself is one of the methods).
         budget_s: seconds for the whole check; None keeps the requested size (and still estimates it).
     """
-    n, tokens = len(prompt_lens), max_new_tokens
+    n, tokens, methods = len(prompt_lens), max_new_tokens, len(speedups)
 
     def est(k: int, t: int) -> float:
-        return estimate(cost, prompt_lens[:k], t, repeats, speedups)
+        return estimate(cost, prompt_lens[:k], t, repeats, speedups[:methods])
 
     if budget_s is not None:
         while n > MIN_PROMPTS and est(n, tokens) > budget_s:
             n -= 1
+        while methods > len(speedups) - optional and est(n, tokens) > budget_s:
+            methods -= 1
         while tokens > MIN_TOKENS and est(n, tokens) > budget_s:
             tokens = max(MIN_TOKENS, tokens * 3 // 4)
-    return OnlineSize(n, tokens, repeats, len(speedups), est(n, tokens), budget_s)
+    return OnlineSize(n, tokens, repeats, methods, est(n, tokens), budget_s)

@@ -46,9 +46,11 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     # Expected speedups for the estimate: the replay's for the tuned methods, 1 for the rest.
     expected = [1.0, replay_speedup_of(rows, str(tuned.get("best")))]
     expected += [replay_speedup_of(rows, n) for n in ("static_opt", "confidence_opt") if n in tuned.get("policies", {})]
-    expected += [1.0] * int(cfg.online_hf_default and not float(gen.get("temperature") or 0.0))
+    hf_default = bool(cfg.online_hf_default and not float(gen.get("temperature") or 0.0))
+    expected += [1.0] * int(hf_default)
     size = size_online_check(cost, [len(p) for p in prompts], max_new_tokens=max_new, repeats=cfg.online_repeats,
-                             speedups=expected, budget_s=cfg.online_budget)
+                             speedups=expected, budget_s=cfg.online_budget, optional=int(hf_default))
+    hf_default = hf_default and size.methods == len(expected)  # the optional comparison, dropped to fit
     log.info("%s", size.line())
     prompts, max_new = prompts[: size.prompts], size.max_new_tokens
     prompt_names = [str(seqs[i]["prompt_id"]) for i in range(len(prompts))]
@@ -81,7 +83,7 @@ def online_check(cfg: PipelineConfig, data_dir: Path, export_dir: Path, tuned_pa
     for label, (pol, tuned_name) in policies.items():
         methods.append(online.decoder_method(label, SpeculativeDecoder(pair, pol, greedy), spec=pol.spec,
                                              replay_speedup=replay_of(tuned_name), same_prompts=same.get(label)))
-    if cfg.online_hf_default and decoding.greedy:
+    if hf_default:
         methods.append(online.hf_assisted_method("HF assisted (defaults)", pair))
     meas = online.measure(prompts, methods, max_new_tokens=max_new, repeats=cfg.online_repeats,
                           seeds=not decoding.greedy)
