@@ -25,6 +25,11 @@ Methods:
                         POLICY (confidence:T, static:K, an export folder, or tuned:NAME for a rule of --tuned,
                         e.g. tuned:confidence_opt), on the same workers and window as plain PEARL (no prediction)
     hf+<policy>         --hf-policies: HF assisted generation driven by our policies (our hook)
+    ours <policy> (live) --live: each --policy that carries price-free statistics (an export, or tuned:NAME)
+                        again with live re-pricing on (specstop.decode.live_pricing: its threshold, SL_max or K
+                        re-picked as the steps it times move); "ours <policy>" itself runs pinned, as tuned,
+                        so the replay predicts it. The live run's switches are printed; its prediction is
+                        the live one (its own rounds at the prices it paid)
     ours[int4] <policy> --draft-quant int8,int4: each rule --policy again with the draft's weights in weight-only
                         int8 / int4 (specstop.pair.quantize; the same target, in the same run), priced with
                         --quant-cost int4=COST and replayed on --quant-data int4=DATA (that draft's own
@@ -266,7 +271,9 @@ def load_policy(text: str, pair, tuned: dict | None, decoding=None):
         spec = PolicySpec.from_dict(tuned["policies"][name]["spec"])
         if spec.kind == "predictor":
             raise SystemExit(f"{name} is a learned policy: pass its export folder instead")
-        return f"{name} ({spec.label})", StoppingPolicy.from_spec(spec)
+        stats = tuned["policies"][name].get("stats")  # live re-pricing (--live) re-picks from these
+        config = {"stats": stats, "cost_model": tuned.get("cost_model")} if stats else None
+        return f"{name} ({spec.label})", StoppingPolicy(spec, config=config)
     pol = StoppingPolicy.load(text, draft_identity=pair.draft_identity, tokenizer_hash=pair.tokenizer_hash,
                               device=pair.draft_device)
     if decoding is not None:
@@ -433,6 +440,8 @@ def main(argv=None) -> int:
                     "the target, e.g. static:3/confidence:0.6 (repeatable)")
     ap.add_argument("--multi-level-quant", default="int4", metavar="SCHEME",
                     help="the scheme of both lower levels of --multi-level (default int4)")
+    ap.add_argument("--live", action="store_true",
+                    help="also run each policy with price-free statistics with live re-pricing on (pinned otherwise)")
     ap.add_argument("--retime", action="store_true",
                     help="time the target's verification and every priced draft's step between prompts (at --data's "
                     "decoding context) and price the predictions with those timings too, beside the calibrations'")
@@ -509,6 +518,7 @@ def main(argv=None) -> int:
                                      cost=vcost, priced=vcost is not None, same_prompts=replay)
 
     replays: dict[str, tuple] = {}  # method -> (dataset, policy, draft) of its same-prompts replay, to re-price
+    live_decoders: dict = {}  # --live: method -> its decoder (its switches are printed after the run)
     base = SpeculativeDecoder(pair, StoppingPolicy.from_string("static:1"), decoding, **kw)
     methods = [online.decoder_method("target", base, max_draft=0, kind="baseline")]
     if args.hf_target:
@@ -588,11 +598,17 @@ def main(argv=None) -> int:
             lookup = text.split(":", 1)[1] if text.startswith("tuned:") else (pol.config.get("name") or text)
             key = row_key_for_policy(replay_rows, lookup)
             replay = replay_rows[key].get("speedup") if key else None
-        dec = SpeculativeDecoder(pair, pol, decoding, **kw)
+        dec = SpeculativeDecoder(pair, pol, decoding, live_pricing=False, **kw)
         methods.append(online.decoder_method(f"ours {name}", dec, spec=pol.spec, replay_speedup=replay,
                                              same_prompts=same.get(name)))
         if name in same:
             replays[f"ours {name}"] = (args.data, pol, "")
+        if args.live and pol.stats is not None:
+            import copy
+
+            live = SpeculativeDecoder(pair, copy.deepcopy(pol), decoding, cost_model=cost, **kw)
+            live_decoders[f"ours {name} (live)"] = live
+            methods.append(online.decoder_method(f"ours {name} (live)", live, spec=pol.spec))
         for scheme, qpair in [*quantized, *selfs, *compiled]:
             if pol.spec.kind == "predictor" and scheme != "compiled":
                 print(f"ours[{scheme}] {name}: left out (a learned policy reads the float draft's features)")
@@ -663,6 +679,15 @@ def main(argv=None) -> int:
             print(f"  {name}: per round (s): {ph}; drafted/round {r['drafted_per_round']:.2f}")
     for name, runs in levels.items():
         print(f"  {name}: {level_summary(runs)}")
+    for name, dec in live_decoders.items():
+        record = dec.live.record() if dec.live is not None else None
+        if record is None:
+            print(f"  {name}: live re-pricing off (no table to scale: pass --cost or use an export)")
+            continue
+        summary["rows"][name]["live"] = record
+        scales = ", ".join(f"{k} {v:.2f}x" for k, v in record["scales"].items())
+        moves = "; ".join(f"{s['from']} -> {s['to']} after {s['round']} rounds" for s in record["switches"]) or "none"
+        print(f"  {name}: live prices {scales} the table's; policy now {record['policy']}; switches: {moves}")
     if args.out:
         doc = {"args": vars(args), "pair": pair.to_dict(), "cost": cost.to_dict() if cost else None,
                "calibrated_summary": calibrated,

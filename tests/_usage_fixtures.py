@@ -73,9 +73,17 @@ def usage_fixtures(root: Path, pair_dir: Path) -> UsageFixtures:
         "disco_ffn": (PolicySpec(kind="predictor", family="disco_ffn", threshold=0.5, sl_max=6, reads="dist",
                                  extra={"scores": "disco_ffn", "checkpoint": "disco_ffn"}), 1.50),
     }
+    # Price-free statistics (specstop.eval.price_free) of two candidates for the learned policy and K = 1..4
+    # for the static one: what live re-pricing and `tune --reprice` re-pick from.
+    stats = {
+        "disco_ffn": _stats([({"threshold": 0.5, "sl_max": 6, "rule": "below"}, [0, 2, 3, 4, 3, 2, 6]),
+                             ({"threshold": 0.9, "sl_max": 2, "rule": "below"}, [0, 20, 15])]),
+        "static_opt": _stats([({"k": k}, [0] * k + [100 // (k + 1)]) for k in (3, 1, 2, 4)]),
+    }
     tuned = {
         "schema_version": 1,
-        "policies": {n: {"spec": s.to_dict(), "validation": _validation(v)} for n, (s, v) in specs.items()},
+        "policies": {n: {"spec": s.to_dict(), "validation": _validation(v), **({"stats": stats[n]} if n in stats else {})}
+                     for n, (s, v) in specs.items()},
         "tree_policies": {"tree_opt": {"spec": {"kind": "tree", "policy": "mcsd:2,1"},
                                        "validation": {**_validation(1.45), "exact": True}}},
         "best": "disco_ffn",
@@ -90,6 +98,16 @@ def usage_fixtures(root: Path, pair_dir: Path) -> UsageFixtures:
     export = root / "export"
     export_from_files(export, tuned=tuned_path, policy="disco_ffn")
     return UsageFixtures(pair_dir, dataset, checkpoint, node_head, cost, tuned_path, export)
+
+
+def _stats(candidates: list[tuple[dict, list[int]]]) -> dict:
+    """Price-free statistics of ``(params, k_hist)`` candidates, the first one tuned (half the drafts accepted)."""
+    out = []
+    for params, hist in candidates:
+        drafted = sum(k * h for k, h in enumerate(hist))
+        out.append({"params": params, "rounds": sum(hist), "drafted": drafted, "accepted": drafted // 2,
+                    "target_only": hist[0], "unproposed": 0, "k_hist": hist})
+    return {"format": 1, "n": 100, "prompts": 4, "chosen": 0, "candidates": out}
 
 
 def reader_namespace(pair) -> dict:

@@ -73,9 +73,35 @@ def test_measured_and_predicted_more_than_ten_percent_apart_are_flagged():
     assert s["rows"]["close"]["predicted_decode_speedup"] == pytest.approx(2.0 / 0.6)
     assert s["rows"]["close"]["predicted_round_seconds"] == pytest.approx(0.6)
     assert s["rows"]["close"]["flags"] == []
-    assert len(s["rows"]["far"]["flags"]) == 1 and "predicted" in s["rows"]["far"]["flags"][0]
+    # No phases measured (every live price at the table's): the live prediction is the table's, flagged alike.
+    assert len(s["rows"]["far"]["flags"]) == 2 and all("predicted" in f for f in s["rows"]["far"]["flags"])
     md = online.to_markdown(s)
     assert "| far |" in md and "90% bootstrap interval" in md
+
+
+def test_the_live_prediction_prices_the_counts_with_the_steps_this_run_paid():
+    """The table said 0.1 s per draft step; the run paid 0.2 s (its phases say so), and the target's steps
+    what the table said. Priced by the table the round is 0.6 s (3.33x predicted); at live prices 1.0 s
+    (2.0x), which is what was measured."""
+    cost = CostModel(t_draft=0.1, t_target=0.2, t_target_single=0.2, target_by_k={0: 0.2, 1: 0.2, 4: 0.2},
+                     provenance="measured")
+
+    def run(seconds, hist, draft, target):
+        r = _run(seconds, hist)
+        r.phases = {"draft": draft, "predictor": 0.0, "target": target}
+        return r
+
+    base = [[run(2.0, [10], 0.0, 2.0)] for _ in range(3)]
+    slow_draft = [[run(1.0, [0, 0, 0, 0, 1], 0.8, 0.2)] for _ in range(3)]
+    methods = [online.Method("target", None, "baseline"), online.Method("m", None)]
+    s = online.summarize(_measurement({"target": base, "m": slow_draft}), methods, baseline="target", cost=cost)
+    row = s["rows"]["m"]
+    assert row["live_scales"] == {"draft": pytest.approx(2.0), "decision": 1.0, "verify": pytest.approx(1.0),
+                                  "single": pytest.approx(1.0)}
+    assert row["predicted_decode_speedup"] == pytest.approx(2.0 / 0.6)
+    assert row["live_predicted_decode_speedup"] == pytest.approx(2.0)
+    assert [f for f in row["flags"] if "live" in f] == []
+    assert "- m: draft 2.00x, verification 1.00x, target-only step 1.00x" in online.to_markdown(s)
 
 
 def test_methods_run_interleaved_after_a_warm_up():

@@ -462,7 +462,7 @@ def decoder_check(raw: dict) -> dict:
 
 
 #: Two levels are reported when the windows split into groups whose medians differ by this factor...
-LEVEL_GAP = 1.10
+LEVEL_GAP = 1.15
 #: ... and the smaller group holds at least this share of the windows.
 LEVEL_SHARE = 0.15
 
@@ -509,11 +509,13 @@ def machine_levels(raw: dict) -> dict:
     return out
 
 
-def describe_levels(found: dict) -> str:
-    """One line of the levels :func:`machine_levels` found."""
+def describe_levels(found: dict, most: int = 3) -> str:
+    """One line of the levels :func:`machine_levels` found (the ``most`` widest apart, and how many more)."""
+    names = sorted(found, key=lambda n: found[n][0]["seconds"] / found[n][1]["seconds"])
     parts = [f"{name} {found[name][0]['seconds']:.3f} s ({100 * found[name][0]['share']:.0f}% of windows) and "
-             f"{found[name][1]['seconds']:.3f} s ({100 * found[name][1]['share']:.0f}%)" for name in found]
-    return "; ".join(parts)
+             f"{found[name][1]['seconds']:.3f} s ({100 * found[name][1]['share']:.0f}%)" for name in names[:most]]
+    more = f"; {len(names) - most} more forwards alike" if len(names) > most else ""
+    return "; ".join(parts) + more
 
 
 def pearl_split(pair, cost: CostModel, *, context_tokens: int) -> dict | None:

@@ -25,6 +25,14 @@ Method (``pipeline``'s online stage and ``benchmarks/online_speedup.py`` both ru
   only). A measured / predicted pair more than 10% apart is flagged.
 * measured seconds per round are put beside the cost model's mean round cost
   sum_r (K_r * t_draft + t_target(K_r)) / rounds for the same rounds: the decoder's own overhead.
+* live prices: the step costs this very run paid, as ratios to the cost model (each method's draft
+  step per drafted token, decision and verifications from its own phases; the target-only step from
+  the baseline's runs), scale the cost model (:func:`specstop.decode.live_pricing.scaled`), and the
+  replay of the same prompts (else the run's own rounds) priced with it is the *live* prediction: what
+  the counts predict at the costs of the moment. A calibration minutes old can miss because the
+  machine's steps moved since (on a 2-core AMD EPYC the target's steps ran 15-20% faster in the check
+  than in the calibration three minutes before, the draft's 12%); the live prediction shows whether the
+  counts and the cost model's shape still hold, and the row says how far each step moved.
 
 Greedy runs are checked token for token against the baseline's output; a difference is listed
 with the target's top-2 logit gap at the first differing token (a bf16 near-tie flip or a bug).
@@ -402,6 +410,10 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             row["round_overhead"] = row["round_seconds"] / row["predicted_round_seconds"] - 1.0
             row["predicted_decode_speedup"] = float(np.median(
                 [cost.target_only_per_token * sum(len(r.tokens) for r in rs) / sum(r.priced for r in rs) for rs in runs]))
+        own = m.cost if m.cost is not None else cost
+        if (own is not None and m.priced and m.kind != "hf" and runs[0][0].k_hist is not None
+                and runs[0][0].phases):
+            _live_prediction(row, own.for_policy(m.spec) if m.spec is not None else own, runs, base, m.same_prompts)
         if m.replay_speedup is not None:
             row["replay_speedup"] = m.replay_speedup
         if m.same_prompts is not None:
@@ -418,7 +430,7 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
         # The whole-split replay is another workload (more prompts, a longer budget): it is shown, but
         # measured-vs-predicted is judged on the same prompts and budget whenever that replay exists.
         replay_key = "replay_same_prompts" if "replay_same_prompts" in row else "replay_speedup"
-        for key in ("predicted_decode_speedup", replay_key):
+        for key in ("predicted_decode_speedup", replay_key, "live_predicted_decode_speedup"):
             p = row.get(key)
             if p and meas_dec and abs(meas_dec / p - 1.0) > tolerance:
                 flags.append(f"measured {meas_dec:.2f}x vs {key.replace('_', ' ')} {p:.2f}x "
@@ -434,6 +446,53 @@ def summarize(meas: Measurement, methods: list[Method], *, baseline: str, cost=N
             "max_new_tokens": meas.max_new_tokens, "seconds": meas.seconds, "tolerance": tolerance,
             "ci": CI, "rows": rows, "flips": flips or [], "sampled": sampled,
             "all_identical": None if sampled else all(r["greedy_diffs"] == 0 for r in rows.values())}
+
+
+def live_scales(cost, runs: list[list[Run]], base: list[list[Run]]) -> dict:
+    """What this run's steps cost as ratios to ``cost``: ``{"draft", "decision", "verify", "single"}``.
+
+    ``runs``' phases give the draft step per drafted token, the decision per drafted token and the
+    target forwards against their table prices for the rounds' K; the baseline's (target-only steps)
+    give the one-row step. A side not measured stays 1.0.
+    """
+    def totals(rs_list):
+        draft = decision = target = priced_target = drafted = 0.0
+        for rs in rs_list:
+            for r in rs:
+                h = np.asarray(r.k_hist or [0], dtype=np.float64)
+                ks = np.arange(len(h))
+                draft += (r.phases or {}).get("draft", 0.0)
+                decision += (r.phases or {}).get("predictor", 0.0)
+                target += (r.phases or {}).get("target", 0.0)
+                priced_target += float(h @ cost.target_costs(len(h) - 1))
+                drafted += float((ks * h).sum())
+        return draft, decision, target, priced_target, drafted
+
+    draft, decision, target, priced_target, drafted = totals(runs)
+    _, _, b_target, b_priced, _ = totals(base)
+    return {"draft": draft / drafted / cost.draft_step if draft > 0 and drafted and cost.draft_step > 0 else 1.0,
+            "decision": (decision / drafted / cost.predictor_per_step
+                         if decision > 0 and drafted and cost.predictor_per_step > 0 else 1.0),
+            "verify": target / priced_target if target > 0 and priced_target > 0 else 1.0,
+            "single": b_target / b_priced if b_target > 0 and b_priced > 0 else 1.0}
+
+
+def _live_prediction(row: dict, cost, runs: list[list[Run]], base: list[list[Run]], same_prompts) -> None:
+    """``live_scales`` and ``live_predicted_decode_speedup`` (module docstring) into ``row``."""
+    from specstop.decode.live_pricing import scaled
+
+    scales = live_scales(cost, runs, base)
+    live = scaled(cost, **scales)
+    row["live_scales"] = scales
+    if row["kind"] == "baseline":
+        return
+    hists = (same_prompts.k_hists if same_prompts is not None and same_prompts.k_hists is not None
+             else [functools.reduce(add_hists, [r.k_hist for r in rs]) for rs in runs])
+    tokens = (same_prompts.tokens if same_prompts is not None and same_prompts.k_hists is not None
+              else [sum(len(r.tokens) for r in rs) for rs in runs])
+    pred = [live.target_only_per_token / float(live.latency_from_hist(h, n)) for h, n in zip(hists, tokens) if n]
+    if pred:
+        row["live_predicted_decode_speedup"] = float(np.median(pred))
 
 
 def _paired_with_reference(meas: Measurement, methods: list[Method], rows: dict, reference: str,
@@ -495,9 +554,9 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
         f"`{summary['baseline']}`. decode = prompt prefill left out (what the replay predicts).",
         "",
         "| method | speedup | decode speedup | predicted (cost model, these runs) | replay (these prompts) "
-        "| rounds as replayed | replay (test split) | tokens/round (replay) | s/round measured | s/round K*t_draft+t_target(K) "
-        "| greedy diffs | flag |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| predicted (live prices) | rounds as replayed | replay (test split) | tokens/round (replay) | s/round measured "
+        "| s/round K*t_draft+t_target(K) | greedy diffs | flag |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, r in rows.items():
         sp = r["speedup"]
@@ -508,6 +567,7 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
             + (f"; seeds {r['decode_speedup_seeds'][1]:.2f}-{r['decode_speedup_seeds'][2]:.2f}"
                if r.get("decode_speedup_seeds") else "")
             + f" | {_x(r.get('predicted_decode_speedup'))} | {_x(r.get('replay_same_prompts'))} | "
+            + f"{_x(r.get('live_predicted_decode_speedup'))} | "
             + ("-" if r.get("rounds_as_replayed") is None else f"{r['rounds_as_replayed']}/{summary['prompts']}")
             + f" | {_x(r.get('replay_speedup'))} | "
             + (f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-")
@@ -517,6 +577,12 @@ def to_markdown(summary: dict, *, flip_epsilon: float = 0.5) -> str:
             + ("; ".join(r["flags"]) if r["flags"] else "")
             + " |"
         )
+    moved = {n: r["live_scales"] for n, r in rows.items() if r.get("live_scales")}
+    if moved:
+        lines += ["", "Step costs in these runs against the cost model (live prices: the draft step per drafted token, "
+                  "the target's verifications, and the target-only step of the baseline's runs):", ""]
+        lines += [f"- {n}: draft {v['draft']:.2f}x, verification {v['verify']:.2f}x, target-only step {v['single']:.2f}x"
+                  for n, v in moved.items()]
     ref = summary.get("reference")
     paired = {n: r for n, r in rows.items() if "vs_reference" in r}
     if ref and paired:
