@@ -145,3 +145,78 @@ def test_live_costs_are_robust_to_one_slow_round():
     m = scaled(table, draft=2.0, verify=1.5, single=0.5)
     assert m.t_draft == 0.1 and m.target_cost(4) == pytest.approx(0.375) and m.target_cost(0) == pytest.approx(0.1)
     assert np.isclose(m.round_cost(4), 0.375 + 4 * 0.1)
+
+
+def test_the_batched_decoder_reprices_as_batch_rounds_and_stays_lossless(caplog):
+    """Four rows at once: a dear draft makes the short-draft candidate the faster batch round too; every
+    row still decodes the target's own greedy output."""
+    from specstop.decode.batched import BatchedSpeculativeDecoder
+    from specstop.decode.chain import SpeculativeDecoder
+
+    pair, fake = tiny_pair(), FakeClock()
+    table = CostModel(t_draft=DRAFT_S, t_target=0.1, target_by_k={k: target_s(k + 1) for k in (0, 1, 2, 4, 8)},
+                      provenance="measured", name="cost.json")
+    prompts = [pair.tokenizer(t).input_ids for t in ("def fib(n):", "hello", "import os", "x = [1, 2")]
+    refs = [SpeculativeDecoder(pair, "static:1", live_pricing=False).generate(p, 30, max_draft=0).token_ids
+            for p in prompts]
+    remove = charge_forwards(pair, fake, lambda role, tokens, kw: (8 * DRAFT_S) if role == "draft" else target_s(tokens))
+    try:
+        with clock.using(fake), caplog.at_level(logging.INFO, logger="specstop"):
+            dec = BatchedSpeculativeDecoder(pair, _stats_policy(table))
+            out = dec.generate(prompts, 30)
+    finally:
+        remove()
+    assert out.token_ids == refs
+    assert dec.live.batch_size == 4 and out.batch["live"]["switches"]
+    assert dec.policy.spec.threshold == 0.9 and "live pricing:" in caplog.text
+
+
+def test_the_vllm_proposer_reprices_from_the_engine_steps_it_times(tiny_pair_dir, tmp_path, caplog):
+    """vLLM's calls simulated (tests/test_vllm_proposer.py's loop): the proposer times its own calls and the
+    target step between them; with a draft 8x dearer than the table it switches every request's policy."""
+    from types import SimpleNamespace
+
+    import torch
+    from test_vllm_proposer import MAX_LEN, _simulate
+
+    from specstop.decode.vllm_proposer import SpecstopProposer
+    from specstop.export.export import export_policy
+    from specstop.pair.loader import load_pair
+
+    table = CostModel(t_draft=DRAFT_S, t_target=0.1, target_by_k={k: target_s(k + 1) for k in (0, 1, 2, 4, 8)},
+                      provenance="measured", name="cost.json")
+    rule = _stats_policy(table)
+    export_policy(tmp_path / "export", spec=rule.spec, stats=rule.stats, cost_model=table.to_dict(),
+                  allow_missing_pair=True)
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=8, num_speculative_tokens_per_batch_size=None),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, dtype=torch.float32),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={"specstop": {"draft": str(tiny_pair_dir / "draft"), "policy": str(tmp_path / "export")}})
+    proposer = SpecstopProposer(config)
+    proposer.load_model()
+    pair = load_pair(str(tiny_pair_dir / "draft"), str(tiny_pair_dir / "target"), dtype="float32", device="cpu")
+    fake = FakeClock()
+    proposer.model.register_forward_pre_hook(lambda *a: fake.advance(8 * DRAFT_S))
+    propose = proposer.propose
+
+    def engine_step(sampled, lengths, table_ids):  # the target's step happens between two calls
+        fake.advance(target_s(1 + max(len(s) for s in sampled)))
+        return propose(sampled, lengths, table_ids)
+
+    proposer.propose = engine_step
+    prompts = [pair.tokenizer(t).input_ids for t in ("def fib(n):", "hello there")]
+    with clock.using(fake), caplog.at_level(logging.INFO, logger="specstop"):
+        outs, _ = _simulate(proposer, pair, prompts, 40, join_late=0)
+    refs = [_target_greedy(pair, p, 40) for p in prompts]
+    assert outs == refs  # vLLM verifies: the target's output whatever the drafts
+    assert proposer.live.switches and proposer.policy.spec.threshold == 0.9
+    assert all(slot.policy.spec.threshold == 0.9 for slot in proposer._slots)
+    assert "live pricing:" in caplog.text
+
+
+def _target_greedy(pair, prompt, n):
+    """The target's own greedy output (our decoder with no draft)."""
+    from specstop.decode.chain import SpeculativeDecoder
+
+    return SpeculativeDecoder(pair, "static:1", live_pricing=False).generate(prompt, n, max_draft=0).token_ids

@@ -228,15 +228,24 @@ class BatchedSpeculativeDecoder:
             ``confidence:0.4`` = per-sequence stopping on the drafted token's draft probability, capped
             at SL_max; heuristic and exported predictors also work, one state per sequence).
         decoding: the decoding transform for both models (temperature 0 = greedy).
+        live_pricing: re-pick the policy's threshold, SL_max or K from its price-free statistics as the
+            step costs this decoder measures move, priced as rounds of the batch's rows
+            (:mod:`specstop.decode.live_pricing`; lossless, logged); False pins the policy as given.
+        cost_model: the table live pricing scales (None: the export's own); its ``batch`` section, when
+            measured, prices the rounds at the batch size.
     """
 
-    def __init__(self, pair, policy: StoppingPolicy | str, decoding: DecodingConfig | None = None) -> None:
+    def __init__(self, pair, policy: StoppingPolicy | str, decoding: DecodingConfig | None = None, *,
+                 live_pricing: bool = True, cost_model=None) -> None:
+        from specstop.decode.live_pricing import LivePricer
+
         self.pair = pair
         self.policy = StoppingPolicy.for_pair(policy, pair)
         self.decoding = decoding or DecodingConfig()
         self.policy.configure(self.decoding, pair.vocab_size)
         self.vocab_size = pair.vocab_size
         self.eos = eos_token_ids(pair)
+        self.live = LivePricer.for_policy(self.policy, cost_model) if live_pricing else None
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         return logits_to_probs(logits, self.decoding, self.vocab_size)
@@ -273,6 +282,8 @@ class BatchedSpeculativeDecoder:
             gen.manual_seed(0 if seed is None else int(seed))
         need_hidden = policy.needs_hidden
         policy.reset_batch(batch_size=n_rows)  # one state machine per prompt, indexed by prompt
+        if self.live is not None:
+            self.live.batch_size = n_rows
 
         seqs = [list(p) for p in prompts]
         outs: list[list[int]] = [[] for _ in range(n_rows)]
@@ -296,6 +307,7 @@ class BatchedSpeculativeDecoder:
 
         while rows:
             t_round = t0 = timer.now()
+            phases = dict(timer.totals)  # this round's seconds per phase, for live pricing
             live = len(rows)
             caps = []
             own = policy.cap_batch()
@@ -387,6 +399,10 @@ class BatchedSpeculativeDecoder:
             round_k.append(steps)
             round_rows.append(live)
             round_seconds.append(timer.add("rollback", t0) - t_round)
+            if self.live is not None:
+                spent = {p: timer.totals[p] - phases[p] for p in ("draft", "predictor", "target")}
+                self.live.observe(steps, draft_s=spent["draft"], decision_s=spent["predictor"], target_s=spent["target"],
+                                  batch_size=live)
 
         total = timer.now() - t_start
         counters = [
@@ -402,6 +418,8 @@ class BatchedSpeculativeDecoder:
         timings["total"] = total
         timings["round_seconds"] = round_seconds
         texts = [pair.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+        if self.live is not None:
+            batch["live"] = self.live.record()
         return BatchDecodeResult(outs, texts, counters, ks, ns, batch, timings)
 
     def _decide(self, logits, hidden, q, ys, rows, drafting, positions) -> list[bool]:

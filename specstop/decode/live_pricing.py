@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from specstop.eval.cost import CostModel
-from specstop.eval.price_free import check_stats, latencies, with_params
+from specstop.eval.price_free import batch_latencies, check_stats, latencies, with_params
 
 log = logging.getLogger("specstop")
 
@@ -86,13 +86,28 @@ class LiveCosts:
         self.table = table
         self.ratios = {name: deque(maxlen=window) for name in ("draft", "decision", "verify", "single")}
         self.rounds = 0
+        self._at: dict[int, CostModel] = {1: table}
 
-    def add_round(self, k: int, *, draft_s: float, decision_s: float, target_s: float, decision_per_step: float) -> None:
-        """One round's seconds: ``k`` drafted tokens (0: a target-only step), the draft forwards and picks,
-        the policy's decisions and the target forward; ``decision_per_step`` is the table's decision cost
-        for the policy in use (0 for rules that read nothing)."""
+    def priced_at(self, batch_size: int) -> CostModel:
+        """The table for rounds of ``batch_size`` rows: its measured ``batch`` section where it has one
+        (:func:`specstop.eval.batch_schedule.cost_at`), else the batch-1 table (the ratios then hold
+        the batch's own cost too)."""
+        b = int(batch_size)
+        if b not in self._at:
+            from specstop.eval.batch_schedule import cost_at
+
+            self._at[b] = cost_at(self.table, b) if self.table.batch else self.table
+        return self._at[b]
+
+    def add_round(self, k: int, *, draft_s: float, decision_s: float, target_s: float, decision_per_step: float,
+                  batch_size: int = 1) -> None:
+        """One round's seconds: ``k`` drafted tokens (0: a target-only step; a batch round: its draft
+        forwards, the longest row's K), the draft forwards and picks, the policy's decisions and the target
+        forward; ``decision_per_step`` is the table's decision cost for the policy in use per row (0 for
+        rules that read nothing); ``batch_size``: the rows the round decoded."""
         self.rounds += 1
-        t = self.table
+        t = self.priced_at(batch_size)
+        decision_per_step *= batch_size
         if k == 0:
             self._add("single", target_s, t.target_cost(0))
             return
@@ -113,9 +128,9 @@ class LiveCosts:
         return {"draft": med.get("draft", 1.0), "decision": med.get("decision", 1.0), "verify": verify,
                 "single": med.get("single", verify)}
 
-    def model(self) -> CostModel:
-        """The table scaled by the current ratios: what the decoder pays now."""
-        return scaled(self.table, **self.scales())
+    def model(self, batch_size: int = 1) -> CostModel:
+        """The table (at ``batch_size`` rows) scaled by the current ratios: what the decoder pays now."""
+        return scaled(self.priced_at(batch_size), **self.scales())
 
 
 class LivePricer:
@@ -134,6 +149,8 @@ class LivePricer:
         self.margin = float(margin)
         self.every = int(every)
         self.switches: list[Switch] = []
+        # The batched decoder's rows: candidates are then priced as batch rounds of this many rows.
+        self.batch_size = 1
 
     @classmethod
     def for_policy(cls, policy, table: CostModel | dict | None = None, **kwargs) -> LivePricer | None:
@@ -156,10 +173,11 @@ class LivePricer:
     def decision_cost(self) -> float:
         return self.costs.table.for_policy(self.policy.spec).predictor_per_step
 
-    def observe(self, k: int, *, draft_s: float, decision_s: float, target_s: float) -> Switch | None:
-        """Record one round and re-price when due; returns the switch made, if any."""
+    def observe(self, k: int, *, draft_s: float, decision_s: float, target_s: float,
+                batch_size: int = 1) -> Switch | None:
+        """Record one round (of ``batch_size`` rows) and re-price when due; returns the switch made, if any."""
         self.costs.add_round(k, draft_s=draft_s, decision_s=decision_s, target_s=target_s,
-                             decision_per_step=self.decision_cost())
+                             decision_per_step=self.decision_cost(), batch_size=batch_size)
         r = self.costs.rounds
         if r < MIN_ROUNDS or r % self.every:
             return None
@@ -172,7 +190,14 @@ class LivePricer:
         i = self._index(stats, self.policy.spec)
         if i is None:
             return None
-        return float(latencies(stats, self.policy.spec, model or self.costs.model())[i])
+        return float(self._latencies(stats, self.policy.spec, model)[i])
+
+    def _latencies(self, stats: dict, spec, model: CostModel | None = None) -> np.ndarray:
+        """Every candidate's seconds per token at the live costs (batch rounds in the batched decoder)."""
+        model = model or self.costs.model(self.batch_size)
+        if self.batch_size > 1:
+            return batch_latencies(stats, spec, model, self.batch_size)
+        return latencies(stats, spec, model)
 
     @staticmethod
     def _index(stats: dict, spec) -> int | None:
@@ -185,8 +210,7 @@ class LivePricer:
         """Switch to the fastest candidate under the live costs if it beats the one in use by the margin."""
         stats = check_stats(self.policy.stats, f"policy {self.policy.label} stats")
         spec = self.policy.spec
-        live = self.costs.model()
-        lat = latencies(stats, spec, live)
+        lat = self._latencies(stats, spec)
         best = int(np.argmin(lat))
         now = self._index(stats, spec)
         current = float(lat[now]) if now is not None else float("inf")

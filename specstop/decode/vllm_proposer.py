@@ -32,13 +32,19 @@ is reached, or EOS is drafted. With ``num_speculative_tokens_per_batch_size`` th
 a custom class. Requests are drafted one after another (no batched draft forward), so at batch
 sizes above 1 the draft costs grow with the batch.
 
+Live re-pricing (:mod:`specstop.decode.live_pricing`): a policy that carries price-free statistics (an
+export) is re-picked from them as the engine's steps move - the proposer times its own calls (draft
+seconds per step) and the engine's target step between two calls, as ratios to the cost table
+(``"cost_model"`` in the ``specstop`` settings: a cost.json path or its mapping, typically
+``calibrate-cost --engine vllm``'s; else the export's own), and every request's policy switches between
+rounds, logged. ``"live_pricing": false`` pins the policy.
+
 This module imports vLLM nowhere at import time; it needs torch and transformers (the vLLM
 install brings both) and specstop's core install.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specstop import clock
 from specstop.errors import UserError
 from specstop.export.engines import VLLM_PROPOSER_CLASS as PROPOSER_CLASS
 from specstop.export.engines import VLLM_SETTINGS_KEY as SETTINGS_KEY
@@ -171,6 +178,16 @@ class SpecstopProposer:
         sched = getattr(spec_cfg, "num_speculative_tokens_per_batch_size", None)
         self.k_by_batch = dynamic_k_lookup(sched, max_seqs, self.k_max) if sched else None
         self.policy = self._load_policy(settings["policy"], bool(settings.get("allow_draft_mismatch", False)))
+        self.live = None
+        if settings.get("live_pricing", True) is not False and self.cost_sweep is None:
+            from specstop.decode.live_pricing import LivePricer
+
+            table = settings.get("cost_model")
+            if isinstance(table, str):
+                from specstop.eval.cost import load_cost_model
+
+                table = load_cost_model(table)
+            self.live = LivePricer.for_policy(self.policy, table)
         self.model = None
         self.vocab_size: int | None = None
         self.eos: set[int] = set()
@@ -182,7 +199,7 @@ class SpecstopProposer:
         # block the target verified per row in between ("BxL": B rows of L tokens each).
         self._timings: dict[str, Any] = {"propose": [], "target": {}, "call": {}}
         self._last: tuple | None = None
-        self.created = time.monotonic()
+        self.created = clock.now()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ setup
@@ -253,7 +270,7 @@ class SpecstopProposer:
         """
         if self.model is None:
             self.load_model()
-        t_in = time.perf_counter()
+        t_in = clock.now()
         self._step += 1
         rows = len(sampled_token_ids)
         k_batch = self.k_max
@@ -278,16 +295,23 @@ class SpecstopProposer:
         return out
 
     def _time_step(self, t_in: float, sampled: list[list[int]], out: list[list[int]]) -> None:
-        """Record this call's seconds, and the target step before it when every row verified the same block."""
-        t_out = time.perf_counter()
+        """Record this call's seconds, and the target step before it when every row verified the same block;
+        live pricing gets the round the two make (the previous call's drafts, then their verification)."""
+        t_out = clock.now()
         rows = len(sampled)
         if self._last is not None:
-            last_rows, block, last_out = self._last
+            last_rows, block, last_out, last_call, last_k = self._last
             if rows == last_rows and block is not None and all(sampled):
                 self._timings["target"].setdefault(f"{rows}x{block}", []).append(t_in - last_out)
+            if self.live is not None and rows == last_rows and all(sampled) and last_k > 0:
+                switch = self.live.observe(last_k, draft_s=last_call, decision_s=0.0, target_s=t_in - last_out,
+                                           batch_size=rows)
+                if switch is not None:  # every request's next round runs the re-picked policy
+                    for slot in self._slots:
+                        slot.policy.set_spec(self.policy.spec)
         blocks = {len(d) + 1 for d in out}
         block = blocks.pop() if len(blocks) == 1 and all(sampled) else None
-        self._last = (rows, block, t_out)
+        self._last = (rows, block, t_out, t_out - t_in, max((len(d) for d in out), default=0))
         self._timings["propose"].append((rows, sum(len(d) for d in out), t_out - t_in))
         if block is not None:
             self._timings["call"].setdefault(f"{rows}x{block - 1}", []).append(t_out - t_in)

@@ -136,6 +136,21 @@ def latencies(stats: dict, spec: PolicySpec, cost: CostModel) -> np.ndarray:
     return np.array([counts(stats, i).metrics(cost)["latency_per_token"] for i in range(len(stats["candidates"]))])
 
 
+def batch_latencies(stats: dict, spec: PolicySpec, cost_b: CostModel, batch_size: int) -> np.ndarray:
+    """Seconds per token of every candidate in a serving batch of ``batch_size`` rows, priced with
+    ``cost_b`` (a round at that batch size, :func:`specstop.eval.batch_schedule.cost_at`): the expected
+    cost of a batch round, whose length is the longest of the rows' K, per token the batch emits."""
+    from specstop.eval.batch_schedule import expected_round_cost
+
+    c = cost_b.for_policy(spec)
+    out = []
+    for i in range(len(stats["candidates"])):
+        h = counts(stats, i).k_hist
+        rounds = max(float(h.sum()), 1.0)
+        out.append(float(expected_round_cost(h, batch_size, c)) * rounds / (batch_size * float(stats["n"])))
+    return np.array(out)
+
+
 def reprice(stats: dict, spec: PolicySpec, cost: CostModel) -> tuple[PolicySpec, dict, int]:
     """The fastest candidate under ``cost``: ``(its spec, its metrics, its index)``.
 

@@ -292,6 +292,9 @@ class StoppingPolicy(
                             "rule, K or start may change")
         self.spec = spec
         self._round = make_round_policy(spec)
+        if self._batch:  # the batched form: every sequence's next round runs the new spec
+            self._batch = [make_round_policy(spec) for _ in self._batch]
+            self._batch_j = [0] * len(self._batch)
         return self
 
     def temperature_mismatch(self, decoding: DecodingConfig) -> str | None:

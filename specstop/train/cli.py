@@ -32,7 +32,7 @@ from specstop.errors import UserError
 from specstop.memory import raise_if_tripped
 from specstop.pair.identity import check_same_pair
 from specstop.train.module import PredictorModule
-from specstop.train.strategy import check_strategy
+from specstop.train.strategy import check_strategy, set_deepspeed_batch_size
 
 log = logging.getLogger("specstop.train")
 
@@ -169,6 +169,7 @@ class SpecstopCLI(LightningCLI):
             check_train_outputs(cfg)  # before any data is read or an epoch is run
 
     def before_fit(self) -> None:
+        set_deepspeed_batch_size(self.trainer, self.datamodule)
         align_logger_versions(self.trainer)
         add_last_checkpoint(self.trainer)
         self.trainer.callbacks.append(MemoryGuardCallback())

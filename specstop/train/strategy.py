@@ -35,3 +35,19 @@ def check_strategy(strategy) -> None:
             f"({err}). Install the optional extra with: {INSTALL_HINT} "
             "(or choose strategy auto, ddp or fsdp)"
         ) from None
+
+
+def set_deepspeed_batch_size(trainer, datamodule) -> None:
+    """Tell a DeepSpeed strategy the training batch size before Lightning asks the dataloader for it.
+
+    specstop's loaders yield whole batches (``DataLoader(batch_size=None)``), so Lightning's DeepSpeed
+    strategy, which reads ``train_dataloader.batch_sampler.batch_size`` for DeepSpeed's required
+    ``train_micro_batch_size_per_gpu``, finds no batch sampler and fails. The data module knows the size.
+    """
+    strategy = getattr(trainer, "strategy", None)
+    config = getattr(strategy, "config", None)
+    if "deepspeed" not in type(strategy).__name__.lower() or not isinstance(config, dict):
+        return
+    size = getattr(datamodule, "batch_size", None)
+    if size and "train_micro_batch_size_per_gpu" not in config:
+        config["train_micro_batch_size_per_gpu"] = int(size)
