@@ -242,6 +242,28 @@ class GpuCheck:
 
         return row
 
+    def ranks(self) -> str:
+        """Two real processes under torchrun (gloo): each rank's device by specstop's rank-to-device rule
+        (scripts/rank_device_check.py): ``cuda:r`` for rank r where the node has that GPU, a one-line
+        refusal naming LOCAL_RANK where it has not; a tensor made there lands there."""
+        script = REPO / "scripts" / "rank_device_check.py"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", "29541", str(script)], cwd=self.work, capture_output=True, text=True,
+                              timeout=max(5.0, min(180.0, self.left())))
+        self.log.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"torchrun exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+        ranks = sorted(json.loads(proc.stdout.strip().splitlines()[-1]), key=lambda r: r["local_rank"])
+        figures = []
+        for r in ranks:
+            lr, gpus = r["local_rank"], r["visible_gpus"]
+            if lr < gpus and (r["cuda"] != f"cuda:{lr}" or r.get("allocated_on") != r["cuda"]):
+                raise AssertionError(f"rank {lr}: {r['cuda']} (allocated on {r.get('allocated_on')}), not cuda:{lr}")
+            if lr >= gpus and not str(r["cuda"]).startswith(f"refused: LOCAL_RANK={lr}"):
+                raise AssertionError(f"rank {lr} of a node with {gpus} GPU(s) got {r['cuda']}")
+            figures.append(f"rank {lr}: {r.get('allocated_on') or 'refused (' + str(gpus) + ' GPU)'}")
+        return "2 processes (torchrun, gloo): " + ", ".join(figures)
+
     def calibrate(self) -> str:
         """CUDA: the reference shapes, dtype auto, batch grid; the table's check must pass. (PEARL's
         core split is timed on CPUs only: on a GPU its two streams share one device.)
@@ -431,6 +453,7 @@ class GpuCheck:
         self.run("train fsdp", self.train("fsdp", "specdecpp_resnet"), needs_cuda=True, needs=("data",))
         self.run("train deepspeed", self.train("deepspeed_stage_2", "specdecpp_resnet"), needs_cuda=True,
                  needs=("data",))
+        self.run("ranks to devices", self.ranks)
         self.run("calibrate-cost", self.calibrate, needs=("pair",))
         self.run("tune + export", self.tune_export, needs=("data", "checkpoint", "cost"))
         self.run("chain eager", self.chain("eager"), needs=("pair",))

@@ -248,3 +248,28 @@ def test_sweep_trains_multi_device_points_in_their_own_process(synth_dir, tmp_pa
     rows = json.loads((out / "sweep.json").read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     assert len(rows) == 1 and Path(rows[0]["checkpoint"]).is_file()
+
+
+def test_each_rank_asks_for_its_own_gpu_on_real_processes(tmp_path):
+    """torchrun starts two real processes (gloo, nothing mocked): each reads its own LOCAL_RANK, and the
+    rule gives rank r ``cuda:r`` where the node has that GPU and refuses, in one line naming LOCAL_RANK
+    and the device count, where it has not (here, on CPUs: no GPU for either rank); ``cpu`` stays ``cpu``."""
+    import json
+    import subprocess
+    import sys
+
+    from _snippets import REPO
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", "29533", str(REPO / "scripts" / "rank_device_check.py")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(r["local_rank"] for r in ranks) == [0, 1] and all(r["cpu"] == "cpu" for r in ranks)
+    for r in ranks:
+        if r["local_rank"] < r["visible_gpus"]:
+            assert r["cuda"] == f"cuda:{r['local_rank']}" and r["allocated_on"] == r["cuda"]
+        else:
+            assert r["cuda"].startswith(f"refused: LOCAL_RANK={r['local_rank']} but this node has "
+                                        f"{r['visible_gpus']} CUDA device(s)")

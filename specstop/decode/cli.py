@@ -33,7 +33,11 @@ class DecodeSettings(PairSettings):
     policies only (T=1 is lossless)."""
     cost_model: str | None = setting(None, flags=("--cost-model",))
     """pearl: take the window from this cost model (preset or cost.json from calibrate-cost); null = a
-    quick measurement on the workers' cores."""
+    quick measurement on the workers' cores. A chain policy with price-free statistics (an export): the
+    table live re-pricing scales (null = the export's own)."""
+    pin_policy: bool = setting(False, flags=("--pin-policy",), negatable=False)
+    """Run the policy exactly as exported: no live re-pricing of its threshold, SL_max or K from the step
+    costs this run measures (live re-pricing is lossless either way)."""
     pearl_cores: str | None = setting(None, flags=("--pearl-cores",), metavar="D,T")
     """pearl on CPU: D cores for the draft, T for the target; null = a quarter for the draft."""
     pearl_no_pre_verify: bool = setting(False, flags=("--pearl-no-pre-verify",), negatable=False)
@@ -150,8 +154,17 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
     else:
         policy = StoppingPolicy.for_pair(args.policy, pair, allow_draft_mismatch=args.allow_draft_mismatch)
+        cost = None
+        if args.cost_model and not args.pin_policy:
+            from specstop.eval.cost import load_cost_model
+
+            try:
+                cost = load_cost_model(args.cost_model)
+            except (ValueError, TypeError) as err:
+                raise UserError(f"--cost-model {args.cost_model}: {err}") from None
         decoder = SpeculativeDecoder(pair, policy, decoding, static_cache=args.static_cache, compile=args.compile,
-                                     compile_draft=args.compile_draft)
+                                     compile_draft=args.compile_draft, live_pricing=not args.pin_policy,
+                                     cost_model=cost)
     prompt_ids = render(text, pair.tokenizer, args.chat_template, args.system_prompt)
     check_fits(
         pair, len(prompt_ids) + args.max_new_tokens,
@@ -175,6 +188,11 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
             f"N_discarded={c['N_discarded']} {c['N'] / max(t['total'], 1e-9):.1f} tok/s",
             file=sys.stderr,
         )
+        live = getattr(result, "live", None)
+        if live:
+            scales = ", ".join(f"{k} {v:.2f}x" for k, v in live["scales"].items())
+            print(f"[live pricing] steps against the cost table: {scales}; {len(live['switches'])} re-pick(s); "
+                  f"policy now {live['policy']} (--pin-policy keeps the exported one)", file=sys.stderr)
     return 0
 
 
