@@ -56,9 +56,12 @@ DEVICE ?= cuda
 gpu-check: $(if $(filter cpu,$(DEVICE)),setup)
 	DEVICE=$(DEVICE) SPECSTOP_VENV=$(VENV) bash scripts/gpu_check.sh
 
-## Downloads, here, the Python 3.12 wheels a CUDA image lacks (scripts/gpu_wheels.txt) into .whl/.
-gpu-wheels:
+## Downloads, here, the Python 3.12 wheels a CUDA image lacks (scripts/gpu_wheels.txt) into .whl/, and
+## builds DeepSpeed's wheel (source only on PyPI; no ops compiled ahead: DS_BUILD_OPS=0) with the venv's torch.
+DEEPSPEED_VERSION ?= 0.19.8
+gpu-wheels: setup
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl -r scripts/gpu_wheels.txt
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==$(DEEPSPEED_VERSION)
 	@du -sh .whl
