@@ -387,6 +387,18 @@ def open_new_file(folder: str | Path, prefix: str, mode: str = "w"):
     raise FileExistsError(f"no free temporary name in {folder}")  # pragma: no cover
 
 
+def default_file_mode(path: str | Path) -> Path:
+    """Give ``path`` the mode a plain ``open()`` gives under the current umask (``0666 & ~umask``).
+
+    safetensors' writer creates its files private (0600) whatever the umask; exports and converted
+    models are files other people and processes read.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+    return Path(path)
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a failed write (a
     full disk) leaves the old file or nothing, never half a file. The file's mode is what a plain

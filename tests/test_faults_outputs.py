@@ -373,3 +373,24 @@ def test_train_keeps_the_last_epoch_and_ctrl_c_prints_how_to_resume(synth_dir, t
     assert last, "no last.ckpt: the latest epoch would be lost"
     # Stopped as epoch 2 starts: epochs 0 and 1 are done, and last.ckpt holds epoch 1.
     assert f"--ckpt_path {last[0].resolve()}" in hint and "during epoch 2; epoch 1 (step " in hint
+
+
+def test_export_weights_take_the_umask_like_every_other_file(tmp_path):
+    """safetensors writes its files 0600; an export's weights (and node head) are read by others, so under
+    umask 022 they are 0644 like its config.json."""
+    import os
+    import stat
+
+    from specstop.export.export import export_policy
+    from specstop.models import build_predictor
+    from specstop.policy import PolicySpec
+
+    old = os.umask(0o022)
+    try:
+        predictor = build_predictor("disco_ffn", k=4)
+        spec = PolicySpec(kind="predictor", family="disco_ffn", threshold=0.5)
+        export_policy(tmp_path / "export", spec=spec, predictor=predictor, allow_missing_pair=True)
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in (tmp_path / "export").iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == 0o644 and modes["config.json"] == 0o644

@@ -119,6 +119,8 @@ def write_export_files(
     """
     from safetensors.torch import save_file
 
+    from specstop.outputs import default_file_mode
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = {**config, "model_type": MODEL_TYPE}
@@ -129,11 +131,13 @@ def write_export_files(
         predictor = predictor.float().eval()
         state = {k: v.detach().cpu().contiguous() for k, v in predictor.state_dict().items()}
         save_file(state, str(weights), metadata={"format": "pt", "family": predictor.family})
+        default_file_mode(weights)
     elif weights.exists():
         weights.unlink()  # a stale predictor from an earlier export must not sit next to a rule-only config
     if node_head is not None:
         state = {k: v.detach().cpu().float().contiguous() for k, v in node_head.state_dict().items()}
         save_file(state, str(out / NODE_HEAD_NAME), metadata={"format": "pt", "family": node_head.family})
+        default_file_mode(out / NODE_HEAD_NAME)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
     if after_weights is not None:
         config = after_weights(out, config)

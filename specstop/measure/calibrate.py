@@ -3,12 +3,14 @@
 What decoding will pay is measured where decoding will run: the pair is loaded in the dtype and on
 the device decoding uses (``dtype auto`` explains its choice), and both KV caches are filled to the
 context length decoding sees (a dataset's mean prompt length plus half its response length with
-``--data``, else ``--context-tokens``). Then, interleaved round after round until the time budget
-(default 60 s of measuring; about 90 s with loading on a 2-core CPU) is spent:
+``--data``, else ``--context-tokens``). Then, window after window until the time budget (default
+60 s of measuring; about 90 s with loading on a 2-core CPU) is spent:
 
-* one draft step (one token fed, greedy pick), a few times per round;
-* one target pass over K + 1 tokens for every K in the grid (shuffled per round, so drift and other
-  load spread over all K alike), the cache rolled back after each.
+* one draft step (one token fed, greedy pick), a few times per window;
+* one target pass over K + 1 tokens for every K in the grid (shuffled per window, so drift and other
+  load spread over all K alike), the cache rolled back after each;
+* between windows, the real chain decoder decodes from the same context (target-only steps and
+  static K = 4 rounds, in turns), one window after each of its rounds.
 
 The cost model gets the median per K (``target_by_k``, interpolated by the cost model), the median
 draft step, and - for reference and for presets' sake - the least-squares line over K >= 1. A
@@ -16,10 +18,11 @@ plot of every sample, the medians and the line is written next to the JSON (``co
 
 Before the table is written it is checked (:mod:`specstop.eval.cost_check`): a K whose samples
 spread too far, or that verifies more tokens for less time than a shorter K, is re-measured once
-(half the budget again); then the real decoder runs a few target-only steps and a few static rounds
-at the same context, and what it measures is set beside what the table predicts. What still fails
-is recorded in the file and printed in one line; ``tune``, ``eval`` and the pipeline refuse such a
-table unless forced.
+(half the budget again); each of the decoder's rounds is set against the round cost the window timed
+right after it predicts (like with like, in the same minute: :func:`decoder_check`), and forwards whose
+windows sat at two cost levels are reported (:func:`levels`) rather than averaged over silently. What
+still fails is recorded in the file and printed in one line; ``tune``, ``eval`` and the pipeline refuse
+such a table unless forced.
 """
 
 from __future__ import annotations

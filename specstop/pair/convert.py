@@ -157,6 +157,10 @@ def convert_gguf(
         # transformers 5 always writes safetensors (there is no safe_serialization switch anymore).
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        from specstop.outputs import default_file_mode
+
+        for weights in Path(tmp).glob("*.safetensors"):  # safetensors writes them 0600; others read them
+            default_file_mode(weights)
         trimmed = trim_gguf_padding_tokens(tmp)
         if trimmed:
             log.info("removed %d [PAD] placeholder tokens from the GGUF tokenizer", trimmed)
