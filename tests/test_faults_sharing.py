@@ -274,6 +274,10 @@ def test_pipeline_passes_calibrate_settings_through(tmp_path):
     args, _ = calibrate_command().parse(argv[1:])
     assert args.no_pearl_split is True and args.batch_grid == "1,2,4"
     assert args.budget == cfg.calibrate_budget and args.out == str(tmp_path / "cost.json")
+    # each trained predictor's decision is timed too (tune prices a learned head's own cost per draft step)
+    argv = calibrate_argv(cfg, tmp_path / "cost.json", tmp_path / "data", {"disco_ffn": "/r/best.ckpt"})
+    args, _ = calibrate_command().parse(argv[1:])
+    assert args.checkpoint == ["disco_ffn=/r/best.ckpt"]
     # the defaults add nothing (an earlier run's calibrate stage is not redone)
     yaml_file.write_text("pair: x\n")
     cfg, _ = command().parse(["--config", str(yaml_file)])

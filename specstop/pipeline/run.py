@@ -147,15 +147,17 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     # 4. cost model
     cost_arg = cfg.cost_model
     if cfg.cost_model == "calibrate":
-        # Measured where decoding runs: same pair, dtype and device, the evaluation data's context length.
+        # Measured where decoding runs: same pair, dtype and device, the evaluation data's context length,
+        # and each trained predictor's own decision per draft step (a learned head costs more than a rule).
         cost_path = run_dir / "cost.json"
         options = cfg.stage_args("calibrate")
         runner.run(
             "calibrate",
             {"pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype, "device": cfg.device,
-             "budget": cfg.calibrate_budget, **({"options": options} if options else {}), **_quant(cfg)},
-            ["fetch", "data", "test_data"],
-            lambda: (_cli(calibrate_argv(cfg, cost_path, eval_data)) or {"cost": str(cost_path)}),
+             "budget": cfg.calibrate_budget, **({"options": options} if options else {}), **_quant(cfg),
+             "checkpoints": checkpoints},
+            ["fetch", "data", "test_data", *[f"train_{f.name}" for f in cfg.families]],
+            lambda: (_cli(calibrate_argv(cfg, cost_path, eval_data, checkpoints)) or {"cost": str(cost_path)}),
             # A table that failed its check is measured again on a rerun (unless it is to be used anyway).
             outputs_exist=lambda o: Path(o.get("cost", "")).is_file() and (cfg.force_cost or _cost_passes(o["cost"])),
         )
@@ -239,13 +241,16 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     return summary
 
 
-def calibrate_argv(cfg: PipelineConfig, cost_path: Path, eval_data: Path) -> list[str]:
+def calibrate_argv(cfg: PipelineConfig, cost_path: Path, eval_data: Path, checkpoints: dict | None = None) -> list[str]:
     """The calibrate stage's command: this pair, dtype and device at the evaluation data's context,
-    for ``calibrate_budget`` seconds, with the ``calibrate:`` section's settings."""
+    for ``calibrate_budget`` seconds, with the ``calibrate:`` section's settings; each trained
+    predictor's decision per draft step is timed too (``checkpoints``: family -> checkpoint)."""
     return ["calibrate-cost", *_pair_args(cfg), "--dtype", cfg.dtype, "--out", str(cost_path),
             "--data", str(eval_data), "--budget", str(cfg.calibrate_budget),
             *(["--device", cfg.device] if cfg.device else []),
-            *(["--draft-quant", cfg.draft_quant] if cfg.draft_quant else []), *cfg.stage_args("calibrate")]
+            *(["--draft-quant", cfg.draft_quant] if cfg.draft_quant else []),
+            *[arg for name, ckpt in (checkpoints or {}).items() for arg in ("--checkpoint", f"{name}={ckpt}")],
+            *cfg.stage_args("calibrate")]
 
 
 def _quant(cfg: PipelineConfig) -> dict:
