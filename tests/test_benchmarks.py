@@ -304,23 +304,28 @@ def test_online_speedup_runs_a_quantized_drafts_export_on_that_draft_and_multi_l
     assert [lv["name"] for lv in runs[0]] == ["level0", "level1", "target"] and runs[0][2]["rounds"] > 0
 
 
+def _online_speedup(tmp_path, monkeypatch, args: list[str]) -> dict:
+    """Run online_speedup.py with ``args`` (and ``--out``) in ``tmp_path``; the record it wrote."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.json"
+    old_threads = torch.get_num_threads()
+    try:
+        assert run_script(BENCH / "online_speedup.py", [*args, "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(old_threads)
+    return json.loads(out.read_text())
+
+
 def test_online_speedup_runs_an_export_pinned_and_with_live_repricing(tiny_pair_dir, tmp_path, monkeypatch):
     """--live: an export with price-free statistics runs pinned (as tuned, what the replay predicts) and again
     with live re-pricing; the live run's record (its prices against the table, its switches) is written."""
     from _usage_fixtures import usage_fixtures
 
-    monkeypatch.chdir(tmp_path)
     fx = usage_fixtures(tmp_path / "fx", tiny_pair_dir)
-    out = tmp_path / "out.json"
-    old_threads = torch.get_num_threads()
-    try:
-        assert run_script(BENCH / "online_speedup.py", [
-            "--pair", str(tiny_pair_dir), "--prompt", "hello", "--prompt", "def f(x):", "--repeats", "1",
-            "--max-new-tokens", "12", "--dtype", "float32", "--device", "cpu", "--policy", str(fx.export),
-            "--policy", "static:2", "--live", "--cost", str(fx.cost), "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(old_threads)
-    rows = json.loads(out.read_text())["summary"]["rows"]
+    rows = _online_speedup(tmp_path, monkeypatch, [
+        "--pair", str(tiny_pair_dir), "--prompt", "hello", "--prompt", "def f(x):", "--repeats", "1",
+        "--max-new-tokens", "12", "--dtype", "float32", "--device", "cpu", "--policy", str(fx.export),
+        "--policy", "static:2", "--live", "--cost", str(fx.cost)])["summary"]["rows"]
     assert {"ours export disco_ffn", "ours export disco_ffn (live)", "ours static:2"} <= set(rows)
     assert "ours static:2 (live)" not in rows  # a rule string carries no statistics
     live = rows["ours export disco_ffn (live)"]
