@@ -400,9 +400,7 @@ class BatchedSpeculativeDecoder:
             round_rows.append(live)
             round_seconds.append(timer.add("rollback", t0) - t_round)
             if self.live is not None:
-                spent = {p: timer.totals[p] - phases[p] for p in ("draft", "predictor", "target")}
-                self.live.observe(steps, draft_s=spent["draft"], decision_s=spent["predictor"], target_s=spent["target"],
-                                  batch_size=live)
+                self.live.observe_phases(steps, phases, timer.totals, batch_size=live)
 
         total = timer.now() - t_start
         counters = [

@@ -404,7 +404,5 @@ class SpeculativeDecoder:
 
     def _observe(self, k: int, timer: _Timer, before: dict[str, float]) -> None:
         """Give live pricing one round's seconds (its draft, decision and target phases)."""
-        if self.live is None:
-            return
-        spent = {p: timer.totals[p] - before[p] for p in ("draft", "predictor", "target")}
-        self.live.observe(k, draft_s=spent["draft"], decision_s=spent["predictor"], target_s=spent["target"])
+        if self.live is not None:
+            self.live.observe_phases(k, before, timer.totals)

@@ -183,14 +183,13 @@ class LivePricer:
             return None
         return self.reprice()
 
-    def predicted(self, model: CostModel | None = None) -> float | None:
-        """Seconds per token the policy in use is predicted to take under ``model`` (default: live costs),
-        from its statistics; None when the spec in use is not among the candidates."""
-        stats = self.policy.stats
-        i = self._index(stats, self.policy.spec)
-        if i is None:
-            return None
-        return float(self._latencies(stats, self.policy.spec, model)[i])
+    def observe_phases(self, k: int, before: dict[str, float], after: dict[str, float],
+                       batch_size: int = 1) -> Switch | None:
+        """:meth:`observe` from a decoder's per-phase second totals before and after a round (its
+        ``draft``, ``predictor`` and ``target`` phases)."""
+        spent = {p: after[p] - before[p] for p in ("draft", "predictor", "target")}
+        return self.observe(k, draft_s=spent["draft"], decision_s=spent["predictor"], target_s=spent["target"],
+                            batch_size=batch_size)
 
     def _latencies(self, stats: dict, spec, model: CostModel | None = None) -> np.ndarray:
         """Every candidate's seconds per token at the live costs (batch rounds in the batched decoder)."""

@@ -130,10 +130,23 @@ def check_stats(stats, where: str = "stats") -> dict:
     return stats
 
 
+def _hists(stats: dict) -> np.ndarray:
+    """``[candidates, K_max + 1]`` every candidate's K histogram, zero-padded to one width."""
+    hists = [c["k_hist"] for c in stats["candidates"]]
+    out = np.zeros((len(hists), max(len(h) for h in hists)), dtype=np.float64)
+    for i, h in enumerate(hists):
+        out[i, : len(h)] = h
+    return out
+
+
 def latencies(stats: dict, spec: PolicySpec, cost: CostModel) -> np.ndarray:
-    """Seconds per token of every candidate under ``cost`` (with ``spec``'s decision cost)."""
+    """Seconds per token of every candidate under ``cost`` (with ``spec``'s decision cost): each K
+    histogram priced at one go, as the tuner prices a sweep (:meth:`Counts.metrics` prices one candidate
+    the same way: :func:`reprice` returns its figures)."""
     cost = cost.for_policy(spec)
-    return np.array([counts(stats, i).metrics(cost)["latency_per_token"] for i in range(len(stats["candidates"]))])
+    unproposed = np.array([float(c.get("unproposed", 0)) for c in stats["candidates"]])
+    seconds = cost.total_hist(_hists(stats)) + unproposed * cost.per_drafted
+    return seconds / max(float(stats["n"]), 1.0)
 
 
 def batch_latencies(stats: dict, spec: PolicySpec, cost_b: CostModel, batch_size: int) -> np.ndarray:
@@ -142,13 +155,9 @@ def batch_latencies(stats: dict, spec: PolicySpec, cost_b: CostModel, batch_size
     cost of a batch round, whose length is the longest of the rows' K, per token the batch emits."""
     from specstop.eval.batch_schedule import expected_round_cost
 
-    c = cost_b.for_policy(spec)
-    out = []
-    for i in range(len(stats["candidates"])):
-        h = counts(stats, i).k_hist
-        rounds = max(float(h.sum()), 1.0)
-        out.append(float(expected_round_cost(h, batch_size, c)) * rounds / (batch_size * float(stats["n"])))
-    return np.array(out)
+    hists = _hists(stats)
+    rounds = np.maximum(hists.sum(-1), 1.0)
+    return expected_round_cost(hists, batch_size, cost_b.for_policy(spec)) * rounds / (batch_size * float(stats["n"]))
 
 
 def reprice(stats: dict, spec: PolicySpec, cost: CostModel) -> tuple[PolicySpec, dict, int]:
