@@ -222,6 +222,7 @@ def test_supported_ranges_are_the_declared_ones():
 @pytest.mark.parametrize("found, fragment", [
     ({"torch": "2.13.0+cpu", "transformers": "4.57.1"}, "found transformers 4.57.1"),
     ({"torch": "2.3.1", "transformers": "5.24.0"}, "found torch 2.3.1"),
+    ({"torch": "2.10.1+cu128", "transformers": "5.24.0"}, "found torch 2.10.1"),  # below what was tested
     ({"torch": "2.13.0", "transformers": "6.0.0.dev0"}, "found transformers 6.0.0.dev0"),
     ({"torch": "2.13.0", "transformers": None}, "transformers is not installed"),
 ])
