@@ -367,8 +367,15 @@ class GpuCheck:
         from specstop.decode.pearl_spec import PearlSpec
 
         with PearlDecoder(self.pair(), PearlSpec(3), backend="threads") as dec:
+            dec.workers.busy(clear=True)
             fig = self.greedy_rows(lambda ids: dec.generate(ids, GREEDY_NEW), "pearl")
-            return f"backend {dec.workers.backend}, gamma 3: {fig}"
+            busy = dec.workers.busy()  # CUDA events on each stream: the seconds both had work in flight
+            if busy["both_s"] <= 0:
+                raise AssertionError(f"the two streams never overlapped (draft {busy['draft_s']:.3f} s, "
+                                     f"target {busy['target_s']:.3f} s busy, each alone)")
+            return (f"backend {dec.workers.backend}, gamma 3: {fig}; streams busy together "
+                    f"{1e3 * busy['both_s']:.0f} ms of draft {1e3 * busy['draft_s']:.0f} ms / target "
+                    f"{1e3 * busy['target_s']:.0f} ms")
 
     def batched(self) -> str:
         from specstop.decode import BatchedSpeculativeDecoder

@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_decoder as chain_tests
 import test_decoder_sampling as sampling_tests
@@ -212,7 +213,46 @@ def test_cuda_streams_equal_target(prompts):
                                     suppress_tokens=padded)[0, len(ids):].tolist()
     with PearlDecoder(cuda_pair, PearlSpec(3)) as dec:
         assert dec.workers.backend == "threads"
+        dec.workers.busy(clear=True)
         assert dec.generate(ids, MAX_NEW).token_ids == ref
+        busy = dec.workers.busy()
+    # The two streams had work in flight together (events on each stream): a serial worker gives 0.
+    assert busy["both_s"] > 0, busy
+
+
+def test_threads_overlap_and_a_serial_worker_does_not(pair, prompts, references, monkeypatch):
+    """Equal output cannot tell concurrent workers from serial ones; their busy intervals can."""
+    with PearlDecoder(pair, PearlSpec(3), backend="threads") as dec:
+        assert dec.generate(prompts[0], MAX_NEW).token_ids == references[0]
+        busy = dec.workers.busy()
+    assert busy["both_s"] > 0 and busy["draft_s"] > 0 and busy["target_s"] > 0, busy
+
+    def serial_submit(self, op, *args):  # runs each op to its end before the coordinator goes on
+        self.busy.begin()
+        out = getattr(self.server, op)(*args)
+        self.busy.end()
+        self.outbox.put(("ok", out))
+
+    monkeypatch.setattr(workers_mod._ThreadWorker, "submit", serial_submit)
+    with PearlDecoder(pair, PearlSpec(3), backend="threads") as dec:
+        assert dec.generate(prompts[0], MAX_NEW).token_ids == references[0]
+        serial = dec.workers.busy()
+    assert serial["both_s"] == 0 and serial["draft_s"] > 0 and serial["target_s"] > 0, serial
+
+
+def test_busy_overlap_matches_a_brute_force_count():
+    from specstop.decode.busy_trace import busy_overlap
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = [tuple(sorted(rng.integers(0, 200, 2))) for _ in range(rng.integers(0, 6))]
+        b = [tuple(sorted(rng.integers(0, 200, 2))) for _ in range(rng.integers(0, 6))]
+        grid = np.zeros((2, 200), dtype=bool)  # unit cells [t, t+1)
+        for row, ivs in enumerate((a, b)):
+            for s, e in ivs:
+                grid[row, s:e] = True
+        got = busy_overlap([(float(s), float(e)) for s, e in a], [(float(s), float(e)) for s, e in b])
+        assert got == {"first_s": grid[0].sum(), "second_s": grid[1].sum(), "both_s": (grid[0] & grid[1]).sum()}
 
 
 # ---------------------------------------------------------------- sampling: the target's distribution

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from specstop.decode.busy_trace import BusyTrace, busy_overlap
 from specstop.decode.pearl_server import ModelServer
 from specstop.errors import UserError
 
@@ -312,11 +313,12 @@ class _ProcessWorker:
 class _ThreadWorker:
     """One model served from a thread (CUDA: on its own stream)."""
 
-    def __init__(self, name: str, model, vocab_size: int, eos: set[int]) -> None:
+    def __init__(self, name: str, model, vocab_size: int, eos: set[int], origin=None) -> None:
         self.name = name
         self.server = ModelServer(model, vocab_size, eos)
         dev = self.server.device
         self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.busy = BusyTrace(self.stream, origin if self.stream is not None else None)
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=f"specstop-pearl-{name}", daemon=True)
@@ -332,9 +334,13 @@ class _ThreadWorker:
             try:
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
+                        self.busy.begin()
                         out = getattr(self.server, op)(*args)
+                        self.busy.end()
                 else:
+                    self.busy.begin()
                     out = getattr(self.server, op)(*args)
+                    self.busy.end()
                 self.outbox.put(("ok", out))
             except BaseException as err:  # noqa: BLE001 - handed to the coordinator
                 self.outbox.put(("error", err))
@@ -629,10 +635,29 @@ class PearlWorkers:
             other = torch.device("cuda", (dev.index or 0) + 1 if (dev.index or 0) + 1 < torch.cuda.device_count() else 0)
             draft_model.to(other)  # draft and target on separate GPUs; moved back in close()
             self._moved_draft = dev
-        self.draft = _ThreadWorker("draft", draft_model, self.vocab_size, self.eos)
+        origin = None
+        if self.pair.target_device.type == "cuda":  # one time axis for both streams' busy intervals
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record(torch.cuda.current_stream(self.pair.target_device))
+        self.draft = _ThreadWorker("draft", draft_model, self.vocab_size, self.eos, origin)
         self._workers.append(self.draft)
-        self.target = _ThreadWorker("target", self.pair.target, self.vocab_size, self.eos)
+        self.target = _ThreadWorker("target", self.pair.target, self.vocab_size, self.eos, origin)
         self._workers.append(self.target)
+
+    def busy(self, clear: bool = False) -> dict[str, float]:
+        """Seconds the draft worker was busy, the target worker, and both at once (threads backend; on
+        CUDA measured by events on the two streams). ``both_s`` > 0 shows the two really overlapped.
+
+        Args:
+            clear: forget the intervals read, so the next call measures only what runs after it.
+        """
+        if self.backend != "threads" or self.draft is None:
+            raise RuntimeError("busy intervals are traced by the started threads backend only")
+        got = busy_overlap(self.draft.busy.intervals(), self.target.busy.intervals())
+        if clear:
+            self.draft.busy.clear()
+            self.target.busy.clear()
+        return {"draft_s": got["first_s"], "target_s": got["second_s"], "both_s": got["both_s"]}
 
     def ensure_rows(self, n_rows: int) -> None:
         """Give both workers shared buffers for ``n_rows`` probability rows (sampling)."""
