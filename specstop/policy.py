@@ -142,6 +142,13 @@ class PolicySpec:
         return self.sl_max
 
 
+#: Every form a chain stopping policy is given in, as the messages name them.
+CHAIN_POLICY_FORMS = ("static:K, heuristic[:START], confidence[:TAU], an export folder or a hub id OWNER/NAME "
+                      "(an export pushed to the Hub)")
+#: Policy texts that name another decoder, not a stopping policy.
+OTHER_DECODER_FORMS = {"mcsd": "token-tree policy", "tree": "token-tree policy", "pearl": "parallel (PEARL) policy"}
+
+
 def parse_policy_string(text: str) -> PolicySpec:
     """Parse the CLI forms ``static:4``, ``heuristic``, ``heuristic:3``, ``confidence:0.4``.
 
@@ -151,10 +158,11 @@ def parse_policy_string(text: str) -> PolicySpec:
     """
     name, _, arg = str(text).partition(":")
     forms = {"static": ("K", int, 5), "heuristic": ("START", int, 5), "confidence": ("TAU", float, 0.4)}
+    if name in OTHER_DECODER_FORMS:
+        raise UserError(f"{text!r} is a {OTHER_DECODER_FORMS[name]}, which runs its own decoder (specstop decode "
+                        f"--policy {text}); a stopping policy is needed here: {CHAIN_POLICY_FORMS}")
     if name not in forms:
-        raise UserError(
-            f"unknown policy {text!r}: use static:K, heuristic[:START], confidence[:TAU] or an export folder"
-        )
+        raise UserError(f"unknown policy {text!r}: use {CHAIN_POLICY_FORMS}")
     what, typ, default = forms[name]
     try:
         value = typ(arg) if arg.strip() else default

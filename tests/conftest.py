@@ -84,3 +84,17 @@ def exports(tmp_path_factory, pair):
     from _export_fixtures import random_exports
 
     return random_exports(tmp_path_factory.mktemp("exports"), pair)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache that every hub lookup of this test uses, offline."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-home" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache

@@ -218,6 +218,7 @@ def test_split_names_checked_in_library_calls():
         ("static:abc", "K must be an integer"),
         ("confidence:x", "TAU must be a number"),
         ("greedy", "unknown policy 'greedy'"),
+        ("tree:4", "'tree:4' is a token-tree policy, which runs its own decoder"),
     ],
 )
 def test_policy_strings_are_range_checked(policy, fragment):
@@ -225,6 +226,17 @@ def test_policy_strings_are_range_checked(policy, fragment):
 
     with pytest.raises(UserError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         parse_policy_string(policy)
+
+
+def test_decode_names_every_policy_form_it_runs(capsys):
+    """An unknown --policy is refused before any model loads, naming rules, folders, hub ids, trees and pearl."""
+    from specstop.cli import main
+
+    assert main(["decode", "--pair", "nowhere", "--prompt", "hi", "--policy", "confidnce:0.4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown policy 'confidnce:0.4'" in err
+    for form in ("confidence[:TAU]", "export folder", "hub id OWNER/NAME", "mcsd:K1,K2", "tree:N", "pearl[:GAMMA]"):
+        assert form in err, form
 
 
 @pytest.mark.parametrize(

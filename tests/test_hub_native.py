@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from _data_gen_helpers import make_render, records
+from _export_fixtures import hub_snapshot as _hub_cache
 from _export_fixtures import random_exports, single_thread, tiny_prompts  # noqa: F401
 
 from specstop.data_gen import storage
@@ -94,65 +95,6 @@ def test_from_pretrained_accepts_a_hub_id(exports, monkeypatch):
     local = StoppingPolicy.from_pretrained(exports["sdpp"])
     for a, b in zip(policy.predictor.state_dict().values(), local.predictor.state_dict().values()):
         assert torch.equal(a, b)
-
-
-def _hub_cache(cache, repo_id: str, folder, revision: str = "main"):
-    """``folder`` laid out in the Hugging Face cache ``cache`` exactly as ``snapshot_download`` leaves
-    a model repo: ``models--owner--name/blobs/<etag>`` (git blob sha1, sha256 for LFS files),
-    ``snapshots/<commit>/<path>`` relative symlinks to them, ``refs/<revision>`` naming the commit and
-    the commit's tree listing. Returns the snapshot folder."""
-    import hashlib
-
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.file_download import (
-        _cache_commit_hash_for_specific_revision,
-        _create_symlink,
-        repo_folder_name,
-    )
-
-    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    listing = {}
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel, data = f.relative_to(folder).as_posix(), f.read_bytes()
-        git_sha1 = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        lfs_sha256 = hashlib.sha256(data).hexdigest() if f.suffix == ".safetensors" else None
-        blob = storage / "blobs" / (lfs_sha256 or git_sha1)
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        pointer = storage / "snapshots" / commit / rel
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        _create_symlink(str(blob), str(pointer), new_blob=True)
-        listing[rel] = (len(data), git_sha1, lfs_sha256)
-    _cache_commit_hash_for_specific_revision(str(storage), revision, commit)
-    try:  # huggingface_hub >= 1.x also caches the commit's file listing next to the snapshots
-        from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
-    except ImportError:
-        pass
-    else:
-        write_tree_cache(str(storage), commit, {
-            rel: TreeCacheEntry(size=n, blob_id=sha1, lfs_sha256=lfs, lfs_size=n if lfs else None)
-            for rel, (n, sha1, lfs) in listing.items()
-        })
-    snapshot = storage / "snapshots" / commit
-    assert (snapshot / "config.json").is_symlink()
-    (repo,) = [r for r in scan_cache_dir(cache).repos if r.repo_id == repo_id]  # huggingface_hub reads it as its own
-    assert {f.file_name for rev in repo.revisions for f in rev.files} >= {"config.json", "model.safetensors"}
-    return snapshot
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache that every hub lookup of this test uses, offline."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf-home" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
 
 
 def test_from_pretrained_reads_a_hub_id_from_the_real_cache_layout(exports, hub_cache):

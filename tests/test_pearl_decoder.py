@@ -164,7 +164,8 @@ def test_stop_policy_decides_as_in_the_chain_decoder(stop, pair, prompts, export
 
 def test_stop_policy_is_refused_in_one_line(pair, exports):
     for stop, fragment in [("heuristic", "grows and shrinks"), ("bogus:1", "unknown policy"),
-                           ("confidence:2", "0 < TAU <= 1"),
+                           ("confidence:2", "0 < TAU <= 1"), ("mcsd:2,2", "'mcsd:2,2' is a token-tree policy"),
+                           ("pearl:3", "is a parallel \\(PEARL\\) policy"),
                            (PolicySpec(kind="predictor", family="disco_ffn"), "give its export folder")]:
         with pytest.raises(UserError, match=fragment) as err:
             PearlDecoder(pair, PearlSpec(3, stop=stop))

@@ -4,12 +4,13 @@ tuning the shape against the cost table, and tree policies through export and de
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from _data_gen_helpers import make_render, records, replay_data_config
-from _export_fixtures import single_thread  # noqa: F401
+from _export_fixtures import hub_snapshot, single_thread  # noqa: F401
 
 from specstop.decode import TreeDecoder, parse_tree_policy
 from specstop.errors import UserError
@@ -248,6 +249,67 @@ def test_exported_tree_policy_decodes_like_the_target(tiny_pair_dir, tmp_path, c
     assert obj["counters"]["policy"] == label + ("+node-head" if with_head else "")
     pair = load_named_pair(str(tiny_pair_dir), dtype="float32", device="cpu")
     assert obj["token_ids"] == _target_greedy(pair, obj["prompt_ids"], 12)
+
+
+def test_a_tree_export_pushed_and_pulled_by_hub_id_decodes_as_the_same_tree(tiny_pair_dir, tmp_path, capsys,
+                                                                              hub_cache, monkeypatch):
+    """push_to_hub uploads the node head, a hub download fetches it, and decode --policy OWNER/NAME runs the
+    tree decoder with it (huggingface_hub's own cache layout, offline)."""
+    from huggingface_hub import hub_mixin
+
+    from specstop.cli import main
+    from specstop.export.hub import EXPORT_PATTERNS
+    from specstop.export.runtime import StoppingPolicy
+    from specstop.models import build_predictor
+    from specstop.models.checkpoint import save_predictor_checkpoint
+
+    torch.manual_seed(0)
+    head = save_predictor_checkpoint(tmp_path / "head.ckpt", build_predictor("tree_node_mlp", k=4, width=8))
+    out = tmp_path / "export"
+    assert main(["export", "--tuned", str(_tuned_file(tmp_path / "tuned.json", "tree:8,3,4")), "--policy", "tree_opt",
+                 "--out", str(out), "--allow-missing-pair", "--node-head", str(head)]) == 0
+    uploaded = tmp_path / "uploaded"
+
+    class FakeApi:  # what push_to_hub hands the Hub: the folder it wrote
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return type("Url", (), {"repo_id": repo_id})()
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            shutil.copytree(folder_path, uploaded)
+            return f"https://hub.invalid/{repo_id}/commit/1"
+
+    monkeypatch.setattr(hub_mixin, "HfApi", FakeApi)
+    StoppingPolicy.from_pretrained(out).push_to_hub("someone/tree-policy")
+    from safetensors.torch import load_file
+
+    pushed, exported = (load_file(str(d / "node_head.safetensors")) for d in (uploaded, out))
+    assert pushed.keys() == exported.keys() and all(torch.equal(pushed[k], exported[k]) for k in pushed)
+    hub_snapshot(hub_cache, "someone/tree-policy", uploaded)
+    assert "node_head.safetensors" in EXPORT_PATTERNS
+
+    base = ["decode", "--pair", str(tiny_pair_dir), "--prompt", "hi there", "--max-new-tokens", "12", "--dtype",
+            "float32", "--device", "cpu", "--json"]
+    capsys.readouterr()
+    runs = {}
+    for name, policy in (("local", str(out)), ("hub", "someone/tree-policy")):
+        assert main(base + ["--policy", policy]) == 0
+        runs[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert runs["hub"]["counters"]["policy"] == parse_tree_policy("tree:8,3,4").label + "+node-head"
+    assert runs["hub"]["token_ids"] == runs["local"]["token_ids"]
+    assert runs["hub"]["counters"] == runs["local"]["counters"]
+
+
+def test_saving_a_tree_policy_whose_node_head_is_not_loaded_is_refused(tmp_path):
+    from specstop.export.runtime import StoppingPolicy
+    from specstop.policy import PolicySpec
+
+    policy = StoppingPolicy(PolicySpec(kind="static", k=3),
+                            config={"tree": {"policy": "tree:8,3,4", "node_head": {"family": "tree_node_mlp"}}})
+    with pytest.raises(UserError, match="node head, and none is loaded"):
+        policy.save_pretrained(tmp_path / "e")
 
 
 def test_export_refuses_a_node_head_for_static_trees(tmp_path, capsys):

@@ -19,10 +19,11 @@ class DecodeSettings(PairSettings):
     prompt: str | None = setting(None, flags=("--prompt",))
     """The prompt text ('-' reads stdin)."""
     policy: str = setting("static:4", flags=("--policy",))
-    """static:K | heuristic[:START] | confidence[:TAU] | an export folder; token trees: mcsd:K1,K2,...
-    (MCSD k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); parallel:
-    pearl (window round(t_target / t_draft)) | pearl:GAMMA; an export of a tuned token tree (specstop
-    export --policy tree_opt) runs the tree decoder."""
+    """static:K | heuristic[:START] | confidence[:TAU] | an export folder | a hub id OWNER/NAME (an export
+    pushed to the Hub; read from the Hugging Face cache when offline); token trees: mcsd:K1,K2,... (MCSD
+    k-config, e.g. mcsd:4,2,2,1) | tree:N[,WIDTH[,DEPTH]] (best-first tree of N nodes); parallel: pearl
+    (window round(t_target / t_draft)) | pearl:GAMMA; an export of a tuned token tree (specstop export
+    --policy tree_opt), local or on the Hub, runs the tree decoder with its node head."""
     node_head: str | None = setting(None, flags=("--node-head",), metavar="CKPT")
     """tree:N only: grow the tree by this tree_node_mlp checkpoint's predicted path acceptance instead
     of the joint draft probability (still lossless)."""
@@ -46,7 +47,7 @@ class DecodeSettings(PairSettings):
     """pearl ablation: no post-verify."""
     stop: str | None = setting(None, flags=("--stop",), metavar="POLICY")
     """pearl: end each window early when this stopping policy says stop (confidence:TAU | static:K |
-    an export folder); the rest of the window is not drafted, acceptance is unchanged (still lossless)."""
+    an export folder | a hub id OWNER/NAME); the rest of the window is not drafted, acceptance is unchanged (still lossless)."""
     max_new_tokens: int = setting(256, flags=("--max-new-tokens",))
     """Tokens to generate at most."""
     temperature: float = setting(0.0, flags=("--temperature",))
@@ -116,7 +117,10 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
     check_range("--max-new-tokens", args.max_new_tokens, low=1)
     shape = parse_tree_policy(args.policy)  # before loading models: a malformed spec fails at once
     pearl = _pearl_options(args)
-    exported = _tree_export(args.policy)  # an export folder of a tuned token tree
+    source = _export_folder(args.policy)  # an export folder, or a hub id's download in the HF cache
+    if shape is None and pearl is None and source is None:
+        _check_policy_text(args.policy)  # before loading models
+    exported = _tree_export(source)  # a tuned token tree (and its node head), else None
     if exported is not None:
         shape = parse_tree_policy(exported[0])
     node_head = _node_head(args, shape)
@@ -153,7 +157,8 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
             node_head.check_pair(pair)
         decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
     else:
-        policy = StoppingPolicy.for_pair(args.policy, pair, allow_draft_mismatch=args.allow_draft_mismatch)
+        policy = StoppingPolicy.for_pair(str(source or args.policy), pair,
+                                         allow_draft_mismatch=args.allow_draft_mismatch)
         cost = None
         if args.cost_model and not args.pin_policy:
             from specstop.eval.cost import load_cost_model
@@ -208,15 +213,38 @@ def _read_stdin() -> str:
                         "UTF-8 (e.g. iconv -t UTF-8) or pass --prompt TEXT") from None
 
 
-def _tree_export(policy: str):
-    """``(tree policy text, node head or None)`` when ``policy`` is an export folder of a token tree, else None."""
+def _export_folder(policy: str):
+    """The export folder ``--policy`` names: a local folder as is, a hub id (``owner/name``) downloaded into
+    (or, offline, read from) the Hugging Face cache; None for policy texts (rules, trees, pearl)."""
     from pathlib import Path
 
-    if not Path(policy).is_dir():
+    from specstop.export.hub import names_hub_repo, resolve_folder
+
+    if Path(policy).is_dir():
+        return Path(policy)
+    return resolve_folder(policy) if names_hub_repo(policy) else None
+
+
+def _check_policy_text(policy: str) -> None:
+    """A chain rule's text, checked; an unknown one is refused naming every form decode runs."""
+    from specstop.policy import CHAIN_POLICY_FORMS, parse_policy_string
+
+    try:
+        parse_policy_string(policy)
+    except UserError as err:
+        if not str(err).startswith("unknown policy"):
+            raise
+        raise UserError(f"unknown policy {policy!r}: use {CHAIN_POLICY_FORMS}; token trees mcsd:K1,K2,... or "
+                        "tree:N[,WIDTH[,DEPTH]]; parallel pearl[:GAMMA]") from None
+
+
+def _tree_export(folder):
+    """``(tree policy text, node head or None)`` when ``folder`` is an export of a token tree, else None."""
+    if folder is None:
         return None
     from specstop.decode.node_head import load_tree_export
 
-    return load_tree_export(policy)
+    return load_tree_export(folder)
 
 
 def _node_head(args: DecodeSettings, shape):

@@ -17,8 +17,10 @@ from specstop.errors import MissingInputError, UserError
 MODEL_TYPE = "specstop_stopping_policy"
 LIBRARY_NAME = "specstop"
 CUSTOM_GENERATE_DIR = "custom_generate"
-#: Files that make up an export (what a hub download fetches).
-EXPORT_PATTERNS = ["config.json", "model.safetensors", "README.md", f"{CUSTOM_GENERATE_DIR}/*"]
+#: Files that make up an export (what a hub download fetches): its config, the predictor's weights, a
+#: token tree's node head, the card and the ``custom_generate/`` entry point. (A test keeps the weight
+#: names equal to :mod:`specstop.export.folder`'s.)
+EXPORT_PATTERNS = ["config.json", "model.safetensors", "node_head.safetensors", "README.md", f"{CUSTOM_GENERATE_DIR}/*"]
 
 _GENERATE_PY = '''"""transformers ``custom_generate`` entry point of a specstop stopping policy (written by specstop export).
 
@@ -91,6 +93,12 @@ def is_local_name(name: str | None) -> bool:
     if not name:
         return True
     return os.path.isabs(name) or name.startswith((".", "~")) or Path(name).exists() or name.count("/") != 1
+
+
+def names_hub_repo(text: str) -> bool:
+    """True when a policy argument names a hub repository (``owner/name``, no ``:``, no such local path):
+    policy specs (``confidence:0.4``, ``mcsd:4,2``) and paths never do."""
+    return ":" not in str(text) and not is_local_name(str(text))
 
 
 def card_metadata(config: dict) -> dict:

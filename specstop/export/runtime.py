@@ -48,8 +48,8 @@ from specstop.export.folder import (
     export_config,
     write_export_files,
 )
-from specstop.export.hub import LIBRARY_NAME
-from specstop.export.reading import DraftMismatchError, identity_matches, read_export
+from specstop.export.hub import LIBRARY_NAME, names_hub_repo, resolve_folder
+from specstop.export.reading import DraftMismatchError, identity_matches, load_predictor_weights, read_export
 from specstop.models import FeatureSpec, StoppingPredictor
 from specstop.policy import PolicySpec, RoundPolicy, StepFeatures, make_round_policy, parse_policy_string
 from specstop.probs import DecodingConfig, logits_to_probs
@@ -153,6 +153,9 @@ class StoppingPolicy(
         self._j = 0
         self._batch: list[RoundPolicy] = []
         self._batch_j: list[int] = []
+        #: A token-tree export's node head (its ``tree.node_head`` weights), kept so that
+        #: ``save_pretrained`` / ``push_to_hub`` write the whole export; None otherwise.
+        self.node_head: StoppingPredictor | None = None
         self.last_score: float | None = None
 
     # ------------------------------------------------------------------ construction
@@ -206,8 +209,8 @@ class StoppingPolicy(
 
     @classmethod
     def load(cls, policy: str | Path, **kwargs) -> StoppingPolicy:
-        """An export folder (anything that is a directory) or a policy string."""
-        if Path(policy).is_dir():
+        """An export folder (anything that is a directory), a hub id (``owner/name``) or a policy string."""
+        if Path(policy).is_dir() or names_hub_repo(str(policy)):
             return cls.from_pretrained(policy, **kwargs)
         return cls.from_string(str(policy))
 
@@ -245,18 +248,27 @@ class StoppingPolicy(
                 outside the folder, or weights that do not match the recorded predictor.
             DraftMismatchError: the export was made for another draft or tokenizer.
         """
+        folder = resolve_folder(path, revision=revision, token=token, cache_dir=cache_dir,
+                                local_files_only=local_files_only, force_download=force_download)
         spec, predictor, config = read_export(
-            path, draft_identity=draft_identity, tokenizer_hash=tokenizer_hash,
-            allow_draft_mismatch=allow_draft_mismatch, revision=revision, token=token, cache_dir=cache_dir,
-            local_files_only=local_files_only, force_download=force_download,
+            folder, draft_identity=draft_identity, tokenizer_hash=tokenizer_hash,
+            allow_draft_mismatch=allow_draft_mismatch,
         )
-        return cls(spec, predictor, config=config, device=device)
+        policy = cls(spec, predictor, config=config, device=device)
+        head = (config.get("tree") or {}).get("node_head")
+        if head is not None:
+            policy.node_head = load_predictor_weights(folder, folder / CONFIG_NAME, head).eval()
+        return policy
 
     # ------------------------------------------------------------------ hub (save / push)
     def _save_pretrained(self, save_directory: Path) -> None:
-        """Write this policy as an export folder (the layout ``specstop export`` writes)."""
+        """Write this policy as an export folder (the layout ``specstop export`` writes; a token tree's
+        node head included)."""
         config = self.config or export_config(self.spec, self.predictor, name=self.spec.label)
-        write_export_files(save_directory, config, self.predictor)
+        if (config.get("tree") or {}).get("node_head") is not None and self.node_head is None:
+            raise UserError(f"policy {self.label}: its config names a token-tree node head, and none is loaded; "
+                            "load the export with StoppingPolicy.from_pretrained(FOLDER) before saving or pushing it")
+        write_export_files(save_directory, config, self.predictor, node_head=self.node_head)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:
