@@ -394,3 +394,46 @@ def test_tune_and_eval_refuse_a_swapped_or_retyped_shard(tuned_synthetic, tmp_pa
     assert main(["generate", "--verify", "--data", str(out)]) == 2  # and --verify lists both
     listed = capsys.readouterr().out
     assert all(f"shard {name}: " in listed for name in bad.values()) and "delete that shard folder first" in listed
+
+
+def _retype_arrow_file(shard: Path, table: str = "tokens", column: str = "entropy") -> None:
+    """Rewrite one table's Arrow file with another column type under its old ``dataset_info.json``,
+    then forge the completion record to match: every file checks out on its own."""
+    import pyarrow as pa
+
+    from specstop.digest import sha256_file
+
+    state = json.loads((shard / table / "state.json").read_text())
+    arrow = shard / table / state["_data_files"][0]["filename"]
+    tbl = pa.ipc.open_stream(arrow.read_bytes()).read_all()
+    i = tbl.schema.get_field_index(column)
+    tbl = tbl.set_column(i, pa.field(column, pa.float64()), tbl.column(i).cast(pa.float64()))
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, tbl.schema) as writer:
+        writer.write_table(tbl)
+    rec = storage.read_shard_record(shard)
+    rec["files"] = {str(p.relative_to(shard)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                    for p in sorted(shard.rglob("*")) if p.is_file() and p.name != storage.COMPLETE_MARKER}
+    (shard / storage.COMPLETE_MARKER).write_text(json.dumps(rec))
+
+
+def test_verify_refuses_what_the_readers_refuse(tuned_synthetic, tmp_path, capsys):
+    """An Arrow file re-typed under its old dataset_info.json, with the shard's sha256 record and
+    the manifest's digest both forged to match, fails `generate --verify` as it fails `tune`."""
+    from test_faults_inputs import one_line_error
+
+    data, _ = tuned_synthetic
+    out = tmp_path / "data"
+    shutil.copytree(data, out)
+    shard = storage.shards_root(out) / "validation-00000"
+    _retype_arrow_file(shard)
+    man = json.loads((out / storage.MANIFEST).read_text())
+    man["shard_digests"]["validation-00000"] = storage.shard_digest(storage.read_shard_record(shard))
+    (out / storage.MANIFEST).write_text(json.dumps(man))
+    capsys.readouterr()
+    assert main(["generate", "--verify", "--data", str(out)]) == 2
+    listed = capsys.readouterr().out
+    assert "shard validation-00000: table 'tokens' column 'entropy' is float64" in listed
+    one_line_error(capsys, main(["tune", "--data", str(out), "--cost-model", "llama2-7b-70b", "--sl-max-grid", "4,8",
+                                 "--out", str(tmp_path / "t.json")]),
+                   f"dataset {out} is damaged", "shard validation-00000", "column 'entropy' is float64")
+    assert not (tmp_path / "t.json").exists()

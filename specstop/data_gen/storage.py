@@ -233,33 +233,95 @@ def table_schema(manifest: Mapping[str, Any] | None, table: str):
     return features_for(table, labels["topk_k"], hidden if isinstance(hidden, int) else None)
 
 
-def column_type_problem(table: str, features: Mapping[str, Any], schema: Mapping[str, Any] | None) -> str | None:
-    """A column of ``table`` whose type differs from the schema's (a shard rewritten by hand), or None.
+def table_problem(table_dir: str | Path, table: str, schema: Mapping[str, Any] | None) -> str | None:
+    """What keeps a shard's ``table`` folder from being read as the dataset's schema, or None.
 
+    The one column check of a finished dataset: every reader makes it before opening a table
+    (:func:`load_table`) and ``generate --verify`` makes it on every table, so verification passes
+    exactly what the readers accept. Types are read from ``dataset_info.json`` (what ``datasets``
+    reports) and from each Arrow file's own schema (what the file holds: a file rewritten with
+    another type under the old ``dataset_info.json`` is silently cast, or refused, on load).
     Columns the schema does not know, and schema columns a shard lacks (data from an older labels
-    version), are left to the readers that ask for them.
+    version), are left to the readers that ask for them; an Arrow file and ``dataset_info.json``
+    must still agree on those, or ``datasets`` cannot open the table.
+
+    Args:
+        table_dir: the shard's table folder (``<shard>/<table>``).
+        table: the table's name (for the message).
+        schema: the table's ``datasets.Features`` in this dataset (:func:`table_schema`), or None
+            when the manifest does not say.
     """
-    for column, want in (schema or {}).items():
-        got = features.get(column)
-        if got is not None and got != want:
-            return (
-                f"table {table!r} column {column!r} is {_type_name(got)} but the dataset's schema says "
-                f"{_type_name(want)} (the shard was rewritten)"
-            )
+    table_dir = Path(table_dir)
+    sources = []  # (where, {column: arrow type})
+    info = read_json_or_none(table_dir / "dataset_info.json")
+    if isinstance(info, dict) and isinstance(info.get("features"), dict):
+        try:
+            sources.append(("dataset_info.json", _arrow_types(_features(info["features"]).arrow_schema)))
+        except (TypeError, ValueError, KeyError) as err:
+            return f"table {table!r}: dataset_info.json lists features datasets cannot read ({err}; the shard was rewritten)"
+    state = read_json_or_none(table_dir / "state.json")
+    for entry in (state.get("_data_files") or []) if isinstance(state, dict) else []:
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not (table_dir / name).is_file():
+            return f"table {table!r}: state.json lists a data file {name!r} that is not there (the shard was rewritten)"
+        try:
+            sources.append((name, _arrow_types(_arrow_file_schema(table_dir / name))))
+        except Exception as err:  # pyarrow raises several types for a file that is not an Arrow stream
+            return f"table {table!r}: {name} is not an Arrow stream ({type(err).__name__}; the shard was rewritten)"
+    want = _arrow_types(_features(schema).arrow_schema) if schema else {}
+    for where, got in sources:
+        for column, typ in got.items():
+            if column in want and typ != want[column]:
+                return (
+                    f"table {table!r} column {column!r} is {_arrow_type_name(typ)} in {where} but the dataset's "
+                    f"schema says {_arrow_type_name(want[column])} (the shard was rewritten)"
+                )
+    if len(sources) > 1 and sources[0][0] == "dataset_info.json":
+        described = sources[0][1]
+        for where, got in sources[1:]:
+            if set(got) != set(described) or any(got[c] != described[c] for c in got):
+                return (
+                    f"table {table!r}: {where} holds other columns or types than its dataset_info.json "
+                    "describes (the shard was rewritten)"
+                )
     return None
 
 
 def shard_column_problem(path: str | Path, manifest: Mapping[str, Any] | None) -> str | None:
-    """:func:`column_type_problem` of every table of a shard (read from its ``dataset_info.json``)."""
-    from datasets import Features
-
+    """:func:`table_problem` of every table a shard holds."""
     for table in TABLES:
-        info = read_json_or_none(Path(path) / table / "dataset_info.json")
-        if isinstance(info, dict) and isinstance(info.get("features"), dict):
-            problem = column_type_problem(table, Features.from_dict(info["features"]), table_schema(manifest, table))
+        if (Path(path) / table).is_dir():
+            problem = table_problem(Path(path) / table, table, table_schema(manifest, table))
             if problem is not None:
                 return problem
     return None
+
+
+def _features(spec):
+    from datasets import Features
+
+    return spec if isinstance(spec, Features) else Features.from_dict(dict(spec))
+
+
+def _arrow_file_schema(path: Path):
+    """The schema an Arrow stream file (as ``datasets`` saves them) declares, read from its header."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_stream(source).schema
+
+
+def _arrow_types(schema) -> dict[str, Any]:
+    return {field.name: field.type for field in schema}
+
+
+def _arrow_type_name(typ) -> str:
+    from datasets.features.features import generate_from_arrow_type
+
+    try:
+        return _type_name(generate_from_arrow_type(typ))
+    except (TypeError, ValueError, NotImplementedError):
+        return str(typ)
 
 
 def _type_name(feature) -> str:
@@ -351,11 +413,10 @@ def load_table(out_dir: str | Path, table: str, split: str | None = None):
         # skip tables whose shard record says they have no rows.
         if (read_shard_record(p) or {}).get("rows", {}).get(table, 1) == 0:
             continue
-        part = load_from_disk(str(p / table))
-        retyped = column_type_problem(table, part.features, schema)
-        if retyped is not None:  # would crash concatenation, or be read silently as another type
+        retyped = table_problem(p / table, table, schema)
+        if retyped is not None:  # would crash loading or concatenation, or be read silently as another type
             raise DamagedDatasetError(damaged_message(out_dir, p.name, retyped, substituted=True))
-        parts.append(part)
+        parts.append(load_from_disk(str(p / table)))
     parts = [d for d in parts if len(d)]
     if not parts:
         man = read_manifest(out_dir)
