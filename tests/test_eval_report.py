@@ -76,7 +76,7 @@ def test_tune_and_eval_cli(tmp_path):
     assert rep["rows"]["oracle"]["gap_closed"] == pytest.approx(1.0)
     assert rep["rows"]["static_opt"]["improvement_over_static_opt"] == 0.0
     assert "MCSD top-k" in rep["skipped"]
-    for f in ("pareto.png", "oracle_sl_hist.png", "calibration.png", "report.md"):
+    for f in ("pareto.png", "oracle_sl_hist.png", "oracle_sl_by_index.png", "calibration.png", "report.md"):
         assert (out / f).stat().st_size > 0
     assert "Oracle" in (out / "report.md").read_text()
 
@@ -115,3 +115,51 @@ def test_calibration_pairs_hidden_scores_with_the_drafted_token():
     np.testing.assert_allclose(aligned_scores(d, "q"), row)
     d.temperature = 1.0
     assert aligned_scores(d, "h") is None
+
+
+def _brute_force_oracle_by_index(gm: np.ndarray, lengths: list[int], bins: int) -> list:
+    """DISCO Fig. 6 by its definition: per prompt, each round's oracle SL is the number of leading
+    matches from where the round starts (the round then emits them plus the target's token); round
+    j of n sits at j / (n - 1); each bucket of width 1 / bins averages the SLs that land in it."""
+    buckets: list[list[int]] = [[] for _ in range(bins)]
+    start = 0
+    for n_tok in lengths:
+        rows, sls, s = gm[start:start + n_tok], [], 0
+        while s < n_tok:
+            k = 0
+            while s + k < n_tok and rows[s + k]:
+                k += 1
+            sls.append(k)
+            s += k + 1
+        for j, sl in enumerate(sls):
+            x = j / (len(sls) - 1) if len(sls) > 1 else 0.0
+            buckets[min(int(x * bins), bins - 1)].append(sl)
+        start += n_tok
+    return [float(np.mean(b)) if b else None for b in buckets]
+
+
+def test_report_charts_the_oracle_sl_over_the_normalized_round_index(tmp_path, monkeypatch):
+    from specstop.eval import plots
+    from specstop.eval.cost import CostModel
+    from specstop.eval.episodes import from_arrays
+    from specstop.eval.report import build_report, to_markdown
+
+    rng = np.random.default_rng(3)
+    lengths = [30, 7, 55, 1, 18]
+    # Acceptance that falls along each prompt, so the buckets differ from each other.
+    gm = np.concatenate([rng.random(n) < np.linspace(0.95, 0.3, n) for n in lengths])
+    data = from_arrays(gm, lengths=lengths, max_new_tokens=1000, eos_token_id=99)
+    drawn = {}
+    real_plot = plots.oracle_index_plot
+    monkeypatch.setattr(plots, "oracle_index_plot", lambda path, curve: drawn.setdefault("curve", curve) and
+                        real_plot(path, curve))
+    rep = build_report(data, {"policies": {}}, CostModel(t_draft=0.01, t_target=0.03), {}, {}, out_dir=tmp_path)
+    want = _brute_force_oracle_by_index(gm, lengths, bins=20)
+    assert len({m for m in want if m is not None}) > 3  # the buckets differ: a chart worth checking
+    for curve in (rep["oracle_sl_by_index"], drawn["curve"]):
+        assert curve["bins"] == 20
+        assert [m is None for m in curve["mean"]] == [m is None for m in want]
+        np.testing.assert_allclose([m for m in curve["mean"] if m is not None], [m for m in want if m is not None])
+    assert sum(rep["oracle_sl_by_index"]["rounds"]) == rep["oracle_sl"]["rounds"]
+    assert (tmp_path / rep["figures"]["oracle_by_index"]).stat().st_size > 0
+    assert "oracle_sl_by_index.png" in to_markdown(rep)

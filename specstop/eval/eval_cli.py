@@ -82,7 +82,7 @@ def check_tuned_pair(tuned: dict, data_dir) -> None:
     )
 
 
-REPORT_FILES = ("report.md", "report.json", "pareto.png", "oracle_sl_hist.png")
+REPORT_FILES = ("report.md", "report.json", "pareto.png", "oracle_sl_hist.png", "oracle_sl_by_index.png")
 
 
 def _report_files(out: Path) -> list[Path]:

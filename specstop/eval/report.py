@@ -25,7 +25,7 @@ from specstop.eval import plots
 from specstop.eval.cost import CostModel
 from specstop.eval.episodes import ReplayData
 from specstop.eval.pearl import pearl_replay
-from specstop.eval.replay import Counts, oracle_lengths
+from specstop.eval.replay import Counts, ReplayTrace, replay
 from specstop.eval.sampled import APPROXIMATION, per_copy_latency, spread
 from specstop.eval.segments import build_layout, fast_replay, sweep
 from specstop.eval.tune import max_sl_supported, pareto_points
@@ -200,13 +200,20 @@ def build_report(
     figures["pareto"] = plots.pareto_plot(
         out_dir / "pareto.png", static_pts, sweeps, tuned_pts, others
     ).name
-    lens = oracle_lengths(data)
+    oracle_trace = ReplayTrace()
+    replay(data, PolicySpec(kind="oracle"), trace=oracle_trace)
+    lens = np.asarray(oracle_trace.k, dtype=np.int64)
     extras["oracle_sl"] = {
         "mean": float(lens.mean()) if len(lens) else None,
         "std": float(lens.std()) if len(lens) else None,
         "rounds": int(len(lens)),
     }
     figures["oracle_hist"] = plots.oracle_histogram(out_dir / "oracle_sl_hist.png", lens).name
+    if len(lens):
+        extras["oracle_sl_by_index"] = plots.oracle_sl_by_index(lens, oracle_trace.prompt)
+        figures["oracle_by_index"] = plots.oracle_index_plot(
+            out_dir / "oracle_sl_by_index.png", extras["oracle_sl_by_index"]
+        ).name
     extras["static_curve"] = [
         {k: p[k] for k in ("k", "latency_per_token", "verification_rate", "discard_rate")}
         for p in static_pts
@@ -331,6 +338,13 @@ def to_markdown(rep: dict) -> str:
             lines.append(
                 f"- oracle speculation length: mean {o['mean']:.2f}, std {o['std']:.2f} over {o['rounds']} rounds"
             )
+    by_index = rep.get("oracle_sl_by_index")
+    if by_index:
+        filled = [m for m in by_index["mean"] if m is not None]
+        lines.append(
+            f"- oracle speculation length over the normalized round index (DISCO Figs. 4, 6; {by_index['bins']} "
+            f"buckets): {filled[0]:.2f} in the first filled bucket, {filled[-1]:.2f} in the last"
+        )
     if rep.get("theorem1"):
         r = rep["theorem1"]
         lines.append(
