@@ -4,8 +4,9 @@
   a second writer into the same folder is refused in one line (the folder lock holds).
 * Files specstop writes get the mode a plain ``open()`` gives under the umask (``0666 & ~umask``),
   not the private mode of a temporary file.
-* PEARL's shared-memory weights: refused in one line when ``/dev/shm`` is too small, and leftovers
-  of killed runs are swept.
+* PEARL's shared-memory weights: a memfd, so a small ``/dev/shm`` does not matter; without memfd a
+  small ``/dev/shm`` falls back to the temporary folder in one line, refused in one line only when
+  that is too small too, and leftovers of killed runs are swept.
 """
 
 from __future__ import annotations
@@ -196,30 +197,82 @@ def shm(tmp_path, monkeypatch):
     return folder
 
 
-@pytest.mark.parametrize("command", ["decode", "calibrate-cost"])
-def test_pearl_refuses_a_small_shm_in_one_line(command, tiny_pair_dir, tmp_path, monkeypatch, capsys):
-    """A container's /dev/shm (64 MB, nearly full here): one line before any file is written, not a
-    crash of torch half way."""
+def _small_folders(monkeypatch, folders) -> None:
+    """``shutil.disk_usage`` (statvfs) says ``folders`` have 1 MB free, as a container's full 64 MB /dev/shm."""
     import shutil
-    import tempfile
     from collections import namedtuple
 
     real = shutil.disk_usage
     usage = namedtuple("usage", "total used free")
-    small = {"/dev/shm", tempfile.gettempdir()}
+    small = {str(f) for f in folders}
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 63 << 20, 1 << 20) if str(p) in small else real(p))
+
+
+def _pearl_argv(command: str, tmp_path: Path, tiny_pair_dir: Path, monkeypatch) -> list[str]:
     from specstop.decode import pearl_spec
 
     monkeypatch.setattr(pearl_spec, "available_cores", lambda: [0, 1])  # PEARL splits cores (on any machine)
-    before = {p.name for p in Path("/dev/shm").glob("specstop-pearl-*")} if Path("/dev/shm").is_dir() else set()
     argv = {"decode": ["decode", "--policy", "pearl:2", "--prompt", "hello", "--max-new-tokens", "4", "--pearl-cores", "1,1"],
             "calibrate-cost": ["calibrate-cost", "--budget", "0.2", "--k-grid", "0,1", "--no-tree", "--no-plot",
                                "--context-tokens", "16", "--out", str(tmp_path / "cost.json")]}[command]
-    rc = main([*argv, "--pair", str(tiny_pair_dir), "--device", "cpu"])
+    return [*argv, "--pair", str(tiny_pair_dir), "--device", "cpu"]
+
+
+def _ours_in_shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("specstop-pearl-*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux's")
+@pytest.mark.parametrize("command", ["decode", "calibrate-cost"])
+def test_pearl_runs_beside_a_small_shm(command, tiny_pair_dir, tmp_path, monkeypatch, capsys):
+    """A container's /dev/shm (64 MB, nearly full here) and a full temporary folder: PEARL's weights
+    travel as memfds, which neither limits, so the command runs and writes nothing there."""
+    import tempfile
+
+    _small_folders(monkeypatch, ["/dev/shm", tempfile.gettempdir()])
+    before = _ours_in_shm()
+    assert main(_pearl_argv(command, tmp_path, tiny_pair_dir, monkeypatch)) == 0, capsys.readouterr().err
+    assert _ours_in_shm() <= before
+    assert command != "calibrate-cost" or (tmp_path / "cost.json").is_file()
+
+
+def test_without_memfd_a_small_shm_falls_back_to_the_temporary_folder(pair, tmp_path, monkeypatch, caplog):
+    """No memfd (not Linux): a /dev/shm without room for the weights is passed over for the temporary
+    folder, said in one line, and that folder is gone once the workers have mapped the weights."""
+    import tempfile
+
+    from specstop.decode import pearl_workers
+
+    monkeypatch.setattr(pearl_workers, "_memfd", lambda name: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _small_folders(monkeypatch, ["/dev/shm"])
+    before = _ours_in_shm()
+    with caplog.at_level("WARNING", logger="specstop.decode.pearl_workers"):
+        pearl_workers.check_room_for(pair)  # before any stage: not refused
+        with pearl_workers.PearlWorkers(pair, ([0], [0]), backend="processes") as workers:
+            # Two live workers with the weights mapped, and their files already gone.
+            assert {workers.describe()[n]["pid"] for n in ("draft", "target")} == set(workers.pids())
+            assert len(workers.pids()) == 2 and not list(tmp_path.glob("specstop-pearl-*"))
+    lines = [r.getMessage() for r in caplog.records if "no room for PEARL" in r.getMessage()]
+    assert lines and all(f"go through {tmp_path} instead" in line for line in lines)
+    assert _ours_in_shm() <= before and not list(tmp_path.glob("specstop-pearl-*"))
+
+
+@pytest.mark.parametrize("command", ["decode", "calibrate-cost"])
+def test_without_memfd_pearl_refuses_a_small_shm_in_one_line(command, tiny_pair_dir, tmp_path, monkeypatch, capsys):
+    """No memfd, and /dev/shm and the temporary folder both too small: one line before any file is
+    written (calibrate-cost: before the timing), not a crash of torch half way."""
+    import tempfile
+
+    from specstop.decode import pearl_workers
+
+    monkeypatch.setattr(pearl_workers, "_memfd", lambda name: None)
+    _small_folders(monkeypatch, ["/dev/shm", tempfile.gettempdir()])
+    before = _ours_in_shm()
+    rc = main(_pearl_argv(command, tmp_path, tiny_pair_dir, monkeypatch))
     one_line_error(capsys, rc, "PEARL shares both models' weights", "MB there but", "has 1 MB free", "--shm-size=",
                    "--no-pearl-split")
-    after = {p.name for p in Path("/dev/shm").glob("specstop-pearl-*")} if Path("/dev/shm").is_dir() else set()
-    assert after <= before  # nothing written
+    assert _ours_in_shm() <= before  # nothing written
     assert not (tmp_path / "cost.json").exists()
 
 

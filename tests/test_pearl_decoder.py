@@ -398,15 +398,29 @@ def _processes_marked(mark: str) -> list[int]:
     return found
 
 
+def _holds_weights(pid: int) -> bool:
+    """Does process ``pid`` hold PEARL's shared weights: a memfd of ours, or (no memfd) its /dev/shm folder?"""
+    try:
+        links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        links = []
+    return (any(link.startswith("/memfd:specstop-pearl-") for link in links)
+            or any(n.startswith(f"specstop-pearl-{pid}-") for n in _shm_entries()))
+
+
 @pytest.mark.parametrize("when, sig", [("decoded", signal.SIGTERM), ("starting", signal.SIGTERM),
-                                       ("decoded", signal.SIGKILL)],
-                         ids=["sigterm-mid-decode", "sigterm-during-startup", "sigkill-parent-mid-decode"])
+                                       ("decoded", signal.SIGKILL), ("starting", signal.SIGKILL)],
+                         ids=["sigterm-mid-decode", "sigterm-during-startup", "sigkill-parent-mid-decode",
+                              "sigkill-parent-during-startup"])
 def test_signal_to_the_decoding_process_leaves_nothing_behind(when, sig, tmp_path):
-    """SIGTERM mid-decode or while the workers start (model files in /dev/shm): the parent exits with 143
-    after the Ctrl-C cleanup. SIGKILL (no cleanup possible in the parent): the workers notice the parent is
-    gone and exit on their own. Either way no worker survives and the run's /dev/shm folder is gone."""
+    """SIGTERM mid-decode or while the workers start (the weights shared): the parent exits with 143
+    after the Ctrl-C cleanup. SIGKILL (no cleanup possible in the parent), even while the workers start:
+    the workers notice the parent is gone and exit on their own, and the weights were never a named file
+    (memfd), so no run is needed to sweep them. Either way no worker survives and nothing of the run
+    is left in /dev/shm."""
     script = tmp_path / "decode.py"
     script.write_text(_DECODE_SCRIPT)
+    shm_before = _shm_entries()
     mark = uuid.uuid4().hex
     cores = ";".join(",".join(map(str, c)) for c in _cores())
     env = {**os.environ, MARK: mark}
@@ -419,10 +433,10 @@ def test_signal_to_the_decoding_process_leaves_nothing_behind(when, sig, tmp_pat
         else:
             pytest.fail(f"the decode ended before {when!r}: {proc.wait()} {proc.stderr.read()[-2000:]}")
         if when == "starting":
-            # SIGTERM while the model files are in /dev/shm (saved, or being loaded by the workers).
+            # The signal while the parent holds the shared weights (saved, or being loaded by the workers).
             deadline = time.monotonic() + 30
-            while not any(n.startswith(f"specstop-pearl-{proc.pid}-") for n in _shm_entries()):
-                assert time.monotonic() < deadline and proc.poll() is None, "the run's /dev/shm folder never appeared"
+            while not _holds_weights(proc.pid):
+                assert time.monotonic() < deadline and proc.poll() is None, "the run never shared its weights"
                 time.sleep(0.02)
         else:
             assert len(_processes_marked(mark)) >= 3  # the parent, its two workers (and multiprocessing's tracker)
@@ -439,7 +453,7 @@ def test_signal_to_the_decoding_process_leaves_nothing_behind(when, sig, tmp_pat
     while _processes_marked(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_marked(mark), "worker processes outlived the decoding process"
-    left = [n for n in _shm_entries() if n.startswith(f"specstop-pearl-{proc.pid}-")]
+    left = [n for n in _shm_entries() - shm_before if n.startswith(("specstop-pearl", "torch_"))]
     assert not left, f"left in /dev/shm: {left}"
 
 

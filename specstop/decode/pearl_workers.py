@@ -4,13 +4,17 @@ CPU (``processes``): one spawned process per model, pinned with ``os.sched_setaf
 cores and running ``torch.set_num_threads(len(cores))``, so the two forwards really run at the same
 time without sharing an intra-op pool. Requests and token ids travel through a pipe; probability
 rows (sampling) through a shared-memory buffer per worker, so a 150k-token vocabulary is not pickled
-each phase. Each model reaches its worker as a ``torch.save`` file in a private temporary folder
-(under ``/dev/shm`` where it exists), loaded with ``mmap=True``: the worker's weights are the file's
-pages, not a copy. Every file is deleted as soon as the workers have mapped it, so nothing is left
-behind even if the parent is killed later (a SIGKILL while they start leaves its folder, named by
-pid and pid namespace, which the next run's start removes: :func:`sweep_leftovers`; a folder too
-small for both models is refused in one line first: :func:`check_shm_space`); :meth:`PearlWorkers.close` (also on errors, Ctrl-C and
-SIGTERM) ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole
+each phase. Each model reaches its worker as a ``torch.save`` file loaded with ``mmap=True``: the
+worker's weights are the file's pages, not a copy. On Linux every such file is a ``memfd``
+(:func:`_memfd`): anonymous shared memory that no folder names, handed to the worker as an inherited
+descriptor (model files) or over the pipe (row buffers). It lives only while a process holds it, so
+nothing is left behind whenever and however the parent dies (SIGKILL during start-up included), and
+the size of ``/dev/shm`` does not matter. Elsewhere the files go to a private temporary folder
+(under ``/dev/shm`` where it exists and has room, else the temporary folder: :func:`_shared_base`) and
+are deleted as soon as the workers have mapped them (a SIGKILL while they start leaves its folder,
+named by pid and pid namespace, which the next run's start removes: :func:`sweep_leftovers`; a folder
+too small for both models is refused in one line first: :func:`check_shm_space`);
+:meth:`PearlWorkers.close` (also on errors, Ctrl-C and SIGTERM) ends the workers and removes the folder. Workers ignore SIGINT - a Ctrl-C reaches the whole
 process group, and the parent, not each child, decides how to shut down - and exit on their own when
 the parent's end of the pipe closes or the parent dies (a watchdog thread in each worker notices the
 parent pid change even while a forward runs). While workers run, a SIGTERM to the parent (where
@@ -204,7 +208,15 @@ def _child_main(conn, model_path: str, route: str, cores: list[int], vocab_size:
         try:
             if op == "map_rows":
                 path, n_rows, width = args
+                fd = None
+                if path is None:  # a memfd follows on the pipe
+                    from multiprocessing import reduction
+
+                    fd = reduction.recv_handle(conn)
+                    path = _fd_path(fd)
                 rows = torch.from_file(path, shared=True, size=n_rows * width, dtype=torch.float32).view(n_rows, width)
+                if fd is not None:
+                    os.close(fd)  # the mapping keeps the memory
                 reply = ("ok", None)
             else:
                 out = getattr(server, op)(*args)
@@ -229,13 +241,14 @@ def _child_main(conn, model_path: str, route: str, cores: list[int], vocab_size:
 class _ProcessWorker:
     """The parent's handle on one worker process."""
 
-    def __init__(self, name: str, ctx, model_path: Path, route: str, cores: list[int], vocab_size: int,
-                 eos: set[int]) -> None:
+    def __init__(self, name: str, ctx, model_path: Path | _InheritedFd, route: str, cores: list[int],
+                 vocab_size: int, eos: set[int]) -> None:
         self.name = name
         self.cores = cores
         self.conn, child = ctx.Pipe(duplex=True)
+        model_arg = model_path if isinstance(model_path, _InheritedFd) else str(model_path)
         self.proc = ctx.Process(
-            target=_child_main, args=(child, str(model_path), route, cores, vocab_size, sorted(eos), os.getpid()),
+            target=_child_main, args=(child, model_arg, route, cores, vocab_size, sorted(eos), os.getpid()),
             name=f"specstop-pearl-{name}", daemon=True,
         )
         self.proc.start()
@@ -260,8 +273,18 @@ class _ProcessWorker:
             return ids, (self.rows[:k].clone() if k else None), seconds
         return out
 
-    def map_rows(self, path: Path, rows: torch.Tensor) -> None:
-        self.submit("map_rows", str(path), rows.shape[0], rows.shape[1])
+    def map_rows(self, path: Path | int, rows: torch.Tensor) -> None:
+        """Have the worker map the row buffer ``rows`` ([n_rows, vocab]): a file ``path``, or a memfd."""
+        if isinstance(path, int):
+            from multiprocessing import reduction
+
+            self.submit("map_rows", None, rows.shape[0], rows.shape[1])
+            try:
+                reduction.send_handle(self.conn, path, self.proc.pid)
+            except OSError as err:
+                raise WorkerError(f"{self.name} worker is gone ({self._exit_text()})") from err
+        else:
+            self.submit("map_rows", str(path), rows.shape[0], rows.shape[1])
         self._recv(None)
         self.rows = rows
 
@@ -373,6 +396,53 @@ class _ThreadWorker:
 
 
 # ---------------------------------------------------------------------------------- the pair
+_FD_DIR = "/proc/self/fd/"
+
+
+def _memfd(name: str) -> int | None:
+    """A Linux memfd: shared memory with no name in any folder, or None where there is none.
+
+    Its pages live only while a process holds its descriptor or a mapping of it, so unlike a file
+    in ``/dev/shm`` it cannot outlive a SIGKILL, and the size of ``/dev/shm`` does not limit it.
+    Its path for ``open``, ``torch.save`` and ``torch.load(mmap=True)`` is :func:`_fd_path`.
+    """
+    create = getattr(os, "memfd_create", None)
+    if create is None or not os.path.isdir(_FD_DIR):
+        return None
+    try:
+        return create(f"specstop-pearl-{name}", os.MFD_CLOEXEC)
+    except OSError:  # a kernel or sandbox without memfd: the folder path below
+        return None
+
+
+def _fd_path(fd: int) -> str:
+    """The path that opens this process's descriptor ``fd`` again (the same memory)."""
+    return f"{_FD_DIR}{fd}"
+
+
+class _InheritedFd:
+    """A memfd for a spawned worker: pickled as a descriptor the worker inherits, unpickled there as its
+    :func:`_fd_path` (the path ``torch.load`` maps)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _inherited_path, (reduction.DupFd(self.fd),)
+
+
+def _inherited_path(dup) -> str:
+    return _fd_path(dup.detach())
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+
+
 SHM_DIR = "/dev/shm"
 _SESSION_PREFIX = "specstop-pearl-"
 _SESSION_NAME = re.compile(rf"{_SESSION_PREFIX}(\d+)-(\d+)-[A-Za-z0-9_]+")
@@ -465,21 +535,38 @@ def _weights_bytes(*models) -> int:
     return total
 
 
-def _shared_base() -> str:
-    """Where PEARL's session folders go: ``/dev/shm`` where it exists, else the temporary folder."""
-    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
+def _shared_base(need_bytes: int = 0) -> str:
+    """Where PEARL's session folders go (systems without memfd): ``/dev/shm`` where it exists and has
+    room for ``need_bytes``, else the temporary folder (said in one line: disk-backed, so the first
+    forwards may read from disk)."""
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return tempfile.gettempdir()
+    try:
+        check_shm_space(SHM_DIR, need_bytes)
+    except UserError:
+        tmp = tempfile.gettempdir()
+        log.warning("%s has no room for PEARL's %d MB of weights: they go through %s instead",
+                    SHM_DIR, -(-need_bytes // _MB), tmp)
+        return tmp
+    return SHM_DIR
 
 
 def check_room_for(pair) -> None:
     """Refuse now (before minutes of other work) when the pair's weights would not fit where PEARL's
-    worker processes share them (:func:`check_shm_space`)."""
-    check_shm_space(_shared_base(), _weights_bytes(pair.draft, pair.target))
+    worker processes share them: nowhere to check with memfd, else :func:`check_shm_space` of the
+    folder :func:`_shared_base` chooses."""
+    probe = _memfd("probe")
+    if probe is not None:
+        os.close(probe)
+        return
+    need = _weights_bytes(pair.draft, pair.target)
+    check_shm_space(_shared_base(need), need)
 
 
 def _session_dir(need_bytes: int = 0) -> Path:
     """A private folder for model files and row buffers (tmpfs where there is one), after sweeping
     the leftovers of killed runs and checking that ``need_bytes`` fit."""
-    base = _shared_base()
+    base = _shared_base(need_bytes)
     sweep_leftovers(base)
     check_shm_space(base, need_bytes)
     return Path(tempfile.mkdtemp(prefix=f"{_SESSION_PREFIX}{os.getpid()}-{_pid_namespace()}-", dir=base))
@@ -535,7 +622,7 @@ def _save_portable(model, path: Path) -> str:
     return route
 
 
-def _shutdown(workers: list, folder: list[Path | None], term: list[bool]) -> None:
+def _shutdown(workers: list, folder: list[Path | None], term: list[bool], fds: list[int] | None = None) -> None:
     """Close every worker, remove the session folder and give back the SIGTERM handler (idempotent;
     also runs at exit). A SIGTERM meanwhile is held; :meth:`PearlWorkers.close` raises it after."""
     with _sigterm_deferred(raise_held=False):
@@ -550,6 +637,7 @@ def _shutdown(workers: list, folder: list[Path | None], term: list[bool]) -> Non
         if folder[0] is not None:
             shutil.rmtree(folder[0], ignore_errors=True)
             folder[0] = None
+        _close_fds(fds if fds is not None else [])
         if term[0]:
             term[0] = False
             _release_sigterm()
@@ -580,10 +668,11 @@ class PearlWorkers:
         self.draft = self.target = None
         self._workers: list = []
         self._folder: list[Path | None] = [None]
+        self._fds: list[int] = []  # memfds this process still holds (model files, row buffers)
         self._term = [False]  # whether this pool holds the SIGTERM handler
         self._moved_draft: torch.device | None = None
         self._rows = 0
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._folder, self._term)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._folder, self._term, self._fds)
 
     @property
     def started(self) -> bool:
@@ -612,15 +701,21 @@ class PearlWorkers:
 
             self.cores = split_cores(None)
         ctx = torch.multiprocessing.get_context("spawn")
-        need = _weights_bytes(self.pair.draft, self.pair.target)
-        with _sigterm_deferred():  # the folder is recorded before anything can interrupt
-            folder = self._folder[0] = _session_dir(need)
+        folder = None
         started = []
         for name, model, cores in (("draft", self.pair.draft, self.cores[0]), ("target", self.pair.target, self.cores[1])):
-            path = folder / f"{name}.pt"
+            with _sigterm_deferred():  # the descriptor (or folder) is recorded before anything can interrupt
+                fd = _memfd(name)
+                if fd is not None:
+                    self._fds.append(fd)
+                elif folder is None:
+                    need = _weights_bytes(self.pair.draft, self.pair.target)
+                    folder = self._folder[0] = _session_dir(need)
+            path = Path(_fd_path(fd)) if fd is not None else folder / f"{name}.pt"
             route = _save_portable(model, path)
             with _sigterm_deferred():  # a whole spawn, and the worker recorded for the cleanup
-                w = _ProcessWorker(name, ctx, path, route, list(cores), self.vocab_size, self.eos)
+                w = _ProcessWorker(name, ctx, _InheritedFd(fd) if fd is not None else path, route, list(cores),
+                                   self.vocab_size, self.eos)
                 self._workers.append(w)
             started.append(w)
         for w in started:
@@ -663,18 +758,27 @@ class PearlWorkers:
         """Give both workers shared buffers for ``n_rows`` probability rows (sampling)."""
         if self.backend != "processes" or n_rows <= self._rows:
             return
-        with _sigterm_deferred():  # the folder is recorded before anything can interrupt
-            folder = self._folder[0] = self._folder[0] or _session_dir(2 * n_rows * self.vocab_size * 4)
+        size = n_rows * self.vocab_size
         try:
             for w in (self.draft, self.target):
-                path = folder / f"{w.name}.rows"
-                buf = torch.from_file(str(path), shared=True, size=n_rows * self.vocab_size, dtype=torch.float32)
-                w.map_rows(path, buf.view(n_rows, self.vocab_size))
+                with _sigterm_deferred():  # the descriptor (or folder) is recorded before anything can interrupt
+                    fd = _memfd(f"{w.name}-rows")
+                    if fd is not None:
+                        self._fds.append(fd)
+                    else:
+                        folder = self._folder[0] = self._folder[0] or _session_dir(2 * size * 4)
+                path = _fd_path(fd) if fd is not None else str(folder / f"{w.name}.rows")
+                if fd is not None:
+                    os.ftruncate(fd, size * 4)  # from_file maps what is there; a memfd starts empty
+                buf = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
+                w.map_rows(fd if fd is not None else Path(path), buf.view(n_rows, self.vocab_size))
         finally:
             self._forget_folder()
         self._rows = n_rows
 
     def _forget_folder(self) -> None:
+        """Drop this process's hold on the files the workers have mapped (their mappings keep them)."""
+        _close_fds(self._fds)
         if self._folder[0] is not None:
             shutil.rmtree(self._folder[0], ignore_errors=True)
             self._folder[0] = None
@@ -692,7 +796,7 @@ class PearlWorkers:
 
     def close(self) -> None:
         """End both workers and remove every file this pool wrote (safe to call twice)."""
-        _shutdown(self._workers, self._folder, self._term)
+        _shutdown(self._workers, self._folder, self._term, self._fds)
         self.draft = self.target = None
         self._rows = 0
         if self._moved_draft is not None:

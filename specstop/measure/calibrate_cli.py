@@ -39,8 +39,9 @@ class CalibrateOptions:
     'batch' section, which `specstop tune` turns into a schedule per batch size); off by default."""
     no_pearl_split: bool = setting(False, flags=("--no-pearl-split",), negatable=False)
     """Skip timing PEARL's core split (each model on its share of the cores, beside the other; the
-    replay then prices PEARL with perfect overlap). The split shares both models' weights through
-    /dev/shm, so a machine with a small /dev/shm (a container's 64 MB) needs this."""
+    replay then prices PEARL with perfect overlap). The split shares both models' weights as
+    memory files (Linux memfd; elsewhere /dev/shm, or the temporary folder where /dev/shm is too
+    small), so only a machine short of both needs this."""
 
 
 @dataclass

@@ -94,8 +94,8 @@ class PipelineConfig(PairSettings):
     calibrate_budget: float = 60.0
     """Seconds of measuring for calibrate."""
     calibrate: CalibrateOptions = field(default_factory=CalibrateOptions)
-    """What `specstop calibrate-cost` measures (cost_model: calibrate): no_pearl_split (a small
-    /dev/shm), batch_grid (a batch schedule in the tuned file and the engine settings), k_grid,
+    """What `specstop calibrate-cost` measures (cost_model: calibrate): no_pearl_split (no room to
+    share the weights with PEARL's workers), batch_grid (a batch schedule in the tuned file and the engine settings), k_grid,
     no_tree, context_tokens."""
     force_cost: bool = False
     """Price with a measured cost table even when it fails its check (erratic or unordered K;
