@@ -282,13 +282,60 @@ def write_error_message(err: OSError, doing: str = "writing") -> str | None:
         return too_long_message(err)
     if err.errno not in WRITE_ERRNOS:
         return None
-    where = f" {err.filename}" if err.filename else ""
+    name = err.filename or _file_being_written(err)
+    where = f" {name}" if name else ""
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return (f"no space left on the device (or over quota) while {doing}{where}; free space or choose an output "
-                "location on another disk, then rerun the same command (finished work is kept)")
+        free = _free_bytes(name)
+        room = f" ({free // (1 << 20)} MB free there)" if free is not None else ""
+        return (f"no space left on the device (or over quota) while {doing}{where}{room}; free space or choose an "
+                "output location on another disk, then rerun the same command (finished work is kept)")
     reason = "a read-only file system" if err.errno == errno.EROFS else "permission denied"
     return (f"cannot write{where}: {reason}; choose a writable output location (or fix its permissions), "
             "then rerun the same command")
+
+
+@contextlib.contextmanager
+def naming_writes(path: str | Path) -> Iterator[None]:
+    """Give a write error that names no file (``write()`` on a full disk, a library's writer) the
+    name ``path``, so its one line (:func:`write_error_message`) says which output failed.
+
+    Every writer of specstop's outputs runs inside it (:func:`atomic_write_text`, dataset shards).
+    """
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno not in WRITE_ERRNOS:
+            raise
+        raise OSError(err.errno, err.strerror or os.strerror(err.errno), str(path)) from err
+
+
+def _file_being_written(err: BaseException) -> str | None:
+    """The file an unnamed write error came from: the innermost open-for-writing file object in its
+    traceback's frames (a write outside :func:`naming_writes`), or None."""
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in list(frame.f_locals.values()):
+            name, mode = getattr(value, "name", None), getattr(value, "mode", None)
+            if isinstance(name, str) and isinstance(mode, str) and any(c in mode for c in "wax+"):
+                return name
+    return None
+
+
+def _free_bytes(name: str | None) -> int | None:
+    """Free bytes on the file system that holds ``name`` (its nearest existing folder), or None."""
+    if not name:
+        return None
+    folder = Path(name).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def too_long_message(err: OSError) -> str:
@@ -405,12 +452,13 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     ``open()`` would give under the current umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    f, tmp = open_new_file(path.parent, f".{path.name}.")
-    try:
-        with f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with naming_writes(path):
+        f, tmp = open_new_file(path.parent, f".{path.name}.")
+        try:
+            with f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path

@@ -173,12 +173,46 @@ def test_full_disk_while_writing_leaves_no_half_file(synth_dir, tmp_path, monkey
             raise OSError(errno.ENOSPC, "No space left on device")
 
     real_fdopen = outputs.os.fdopen
-    monkeypatch.setattr(outputs.os, "fdopen", lambda fd, *a, **kw: FullDisk(real_fdopen(fd, *a, **kw)))
+    def fdopen(fd, mode="r", *a, **kw):  # the output check's probe (binary) still passes: the disk fills later
+        f = real_fdopen(fd, mode, *a, **kw)
+        return f if "b" in mode else FullDisk(f)
+
+    monkeypatch.setattr(outputs.os, "fdopen", fdopen)
     out = tmp_path / "tuned"
     out.mkdir()
     one_line_error(capsys, main(["tune", "--data", str(synth_dir), "--cost-model", "llama2-7b-70b", "--sl-max-grid", "4,8",
-                                 "--out", str(out / "t.json")]), "no space left")
+                                 "--out", str(out / "t.json")]), f"no space left on the device (or over quota) while "
+                   f"writing {out / 't.json'} (", " MB free there)")
     assert list(out.iterdir()) == []
+
+
+def test_a_full_disk_names_the_file_wherever_it_is_met(tmp_path):
+    """Writes outside specstop's writers (a library's, a plain open()) name their file too, and the
+    free space where it is; a dataset shard's table is named by its final path."""
+    import re
+    import shutil
+
+    from specstop.outputs import naming_writes, write_error_message
+
+    def plain_write(path):
+        with open(path, "w") as f:
+            f.write("x")
+            raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises on a full disk
+
+    try:
+        plain_write(tmp_path / "notes.txt")
+    except OSError as err:
+        line = write_error_message(err)
+    free_mb = shutil.disk_usage(tmp_path).free >> 20
+    assert f"while writing {tmp_path / 'notes.txt'} (" in line and "MB free there)" in line
+    assert abs(int(re.search(r"\((\d+) MB free there\)", line).group(1)) - free_mb) < 64
+    shard_table = tmp_path / "ds" / "shards" / "train-00000" / "tokens"
+    try:
+        with naming_writes(shard_table):
+            raise OSError(errno.ENOSPC, "No space left on device")  # pyarrow's writer names no file
+    except OSError as err:
+        assert err.filename == str(shard_table)
+        assert f"while writing {shard_table} (" in write_error_message(err)
 
 
 def test_cache_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):

@@ -34,6 +34,7 @@ from specstop.digest import sha256_file
 from specstop.errors import MissingInputError, UserError
 from specstop.jsonio import atomic_write_json, read_json_or_none
 from specstop.names import check_plain_name
+from specstop.outputs import naming_writes
 
 COMPLETE_MARKER = "_COMPLETE.json"
 MANIFEST = "manifest.json"
@@ -112,7 +113,8 @@ def write_shard(
             if len(n) > 1:
                 raise ValueError(f"shard {name} table {table}: columns have different lengths {sorted(n)}")
             ds = Dataset.from_dict(data, features=feats)
-            ds.save_to_disk(str(tmp / table))
+            with naming_writes(root / name / table):  # a full disk names the shard's table
+                ds.save_to_disk(str(tmp / table))
             rows[table] = len(ds)
         files = _file_records(tmp)
         # Someone else deleting our temporary folder mid-write (a second writer without the lock)
