@@ -61,6 +61,13 @@ def confined_file(root: str | Path, relative: object, what: str, *, links_into: 
         inside_root = _inside(Path(os.path.normpath(path)), Path(os.path.normpath(root))) and _inside(
             real, Path(links_into).resolve())
     if not inside_root:
+        if _inside(Path(os.path.normpath(path)), Path(os.path.normpath(root))):
+            # The name is fine; a symbolic link on the way leads out: blame the link, not what named it.
+            allowed = f" (a link may lead only into {links_into})" if links_into is not None else ""
+            raise UserError(
+                f"{path} is a symbolic link that points outside {root}, to {real}{allowed}; copy the file into "
+                "the folder instead of linking it"
+            )
         raise UserError(f"{what} {relative!r} points outside {root}; it must name a file inside that folder")
     return path
 

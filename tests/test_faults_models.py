@@ -211,6 +211,20 @@ def test_edited_exports_are_refused(exports, tmp_path, edit, fragment):
     assert fragment in str(info.value)
 
 
+def test_weights_linked_out_of_an_export_blame_the_link_not_config_json(exports, tmp_path, capsys):
+    """config.json names the default model.safetensors, which is a symbolic link to a file elsewhere:
+    the line names the link and where it leads, not config.json."""
+    d = _edited(exports, tmp_path, lambda d: None)
+    outside = tmp_path / "elsewhere.safetensors"
+    (d / "model.safetensors").rename(outside)
+    (d / "model.safetensors").symlink_to(outside)
+    with pytest.raises(UserError) as info:
+        StoppingPolicy.from_pretrained(d)
+    line = str(info.value)
+    assert line.startswith(f"{d / 'model.safetensors'} is a symbolic link that points outside {d}, to {outside}")
+    assert "copy the file into the folder" in line and "config.json" not in line
+
+
 def test_decode_with_an_edited_export_is_one_line(exports, tiny_pair_dir, tmp_path, capsys):
     d = _edited(exports, tmp_path, _edit_config(("predictor", "config", "hidden_dim"), 65))
     rc = main(["decode", "--pair", str(tiny_pair_dir), "--policy", str(d), "--prompt", "hi", "--device", "cpu",
