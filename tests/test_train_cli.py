@@ -124,3 +124,41 @@ def test_sweep_tiny_grid(synth_dir, tmp_path, monkeypatch):
     assert [r["w_rej"] for r in rows] == [1.0, 6.0] and all(r["val_kl"] is not None for r in rows)
     md = (tmp_path / "sw" / "sweep.md").read_text()
     assert "| w_rej | D |" in md and "\n| 1 | 0 | 0.003 |" in md and "\n| 6 | 0 | 0.003 |" in md
+
+
+@pytest.mark.parametrize("kind", ["folder", "json", "text", "missing"])
+def test_ckpt_path_of_the_wrong_kind_is_one_line_before_any_epoch(kind, synth_dir, tmp_path, monkeypatch, capsys):
+    """`--ckpt_path` names a training checkpoint file: a folder, a JSON file, a file torch cannot read or
+    a missing path is refused in one line naming the flag, before the data is read."""
+    from specstop.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    target = {"folder": tmp_path / "ckpts", "json": tmp_path / "tuned.json", "text": tmp_path / "last.ckpt",
+              "missing": tmp_path / "nowhere.ckpt"}[kind]
+    if kind == "folder":
+        target.mkdir()
+    elif kind == "json":
+        target.write_text("{}")
+    elif kind == "text":
+        target.write_text("not a checkpoint")
+    cfg = next(p for p in CONFIGS if p.stem == "disco_ffn")
+    rc = main(["train", "--config", str(cfg), "--data.data_dir", str(synth_dir), "--trainer.max_epochs", "1",
+               "--trainer.logger", "false", "--ckpt_path", str(target)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("specstop train: error: --ckpt_path: ") and str(target) in line
+    assert not (tmp_path / "runs" / "train").exists()  # refused before the run wrote anything
+
+
+def test_ckpt_path_of_a_saved_epoch_still_resumes(synth_dir, tmp_path, monkeypatch, capsys):
+    """The check on --ckpt_path reads the file as every checkpoint reader does: last.ckpt passes it."""
+    from specstop.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cfg = next(p for p in CONFIGS if p.stem == "disco_ffn")
+    args = ["train", "--config", str(cfg), "--data.data_dir", str(synth_dir), "--data.batch_size", "512",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false"]
+    assert main([*args, "--trainer.max_epochs", "1"]) == 0
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert main([*args, "--trainer.max_epochs", "2", "--ckpt_path", str(last)]) == 0

@@ -154,6 +154,14 @@ class SpecstopCLI(LightningCLI):
         parser.link_arguments("data.hidden_size", "model.init_args.hidden_size", apply_on="instantiate")
         parser.link_arguments("data.k", "model.init_args.k", apply_on="instantiate")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyper-parameters here, first of all: the path is checked
+        # before that read, so a wrong kind of file is one line rather than a torch traceback.
+        sub = self.config.get("subcommand")
+        if sub:
+            check_resume_checkpoint(self.config[sub].get("ckpt_path"))
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy(cfg.trainer.strategy)
@@ -280,6 +288,33 @@ def saved_progress(path: str | Path) -> tuple[int, int] | None:
         return int(ckpt["epoch"]), int(ckpt["global_step"])
     except Exception:  # a DeepSpeed folder, a file being replaced: the hint still names the path
         return None
+
+
+#: ``--ckpt_path`` values Lightning resolves itself rather than reading as a path.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
+def check_resume_checkpoint(ckpt_path) -> None:
+    """Refuse a ``--ckpt_path`` that is not a training checkpoint, in one line naming the flag.
+
+    The path goes through the reader every checkpoint goes through
+    (:func:`specstop.models.checkpoint.read_checkpoint_meta`), so a folder (other than a DeepSpeed
+    checkpoint folder), a JSON or safetensors file, a file torch cannot read or a missing path is
+    refused before the data is read, instead of failing inside Lightning's restore.
+    """
+    if not ckpt_path:
+        return
+    text = str(ckpt_path)
+    if text in LIGHTNING_CKPT_NAMES or text.startswith("registry:"):
+        return
+    if (Path(text) / "checkpoint").is_dir():
+        return  # a DeepSpeed checkpoint folder: its strategy restores it as it is
+    from specstop.models.checkpoint import read_checkpoint_meta
+
+    try:
+        read_checkpoint_meta(text)
+    except UserError as err:
+        raise type(err)(f"--ckpt_path: {err}") from None
 
 
 def check_resume_pair(ckpt_path, datamodule) -> None:
