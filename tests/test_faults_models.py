@@ -52,6 +52,18 @@ def test_truncated_safetensors(tiny_pair_dir, tmp_path, capsys):
     one_line_error(capsys, main(_info("--pair", str(d))), str(w), "truncated")
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_link_to_nothing_names_the_link(name, tiny_pair_dir, tmp_path, capsys):
+    """A model folder of links (into a cache since cleaned): the line names the link and where it led,
+    not a missing config.json or a raw FileNotFoundError."""
+    d = _copy_pair(tiny_pair_dir, tmp_path)
+    link = d / "draft" / name
+    link.unlink()
+    link.symlink_to(tmp_path / "cleaned" / name)
+    one_line_error(capsys, main(_info("--pair", str(d))),
+                   f"{link} is a symbolic link to {tmp_path / 'cleaned' / name}, which does not exist")
+
+
 def test_missing_model_folder(tmp_path, capsys):
     one_line_error(capsys, main(_info("--draft", str(tmp_path / "nope"), "--target", str(tmp_path / "nope2"))),
                    "draft model folder", "does not exist")

@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from specstop.errors import MissingInputError, UserError
-from specstop.pair.weights import check_weight_files
+from specstop.pair.weights import check_not_a_broken_link, check_weight_files
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ HUB_TIMEOUT_ENV = "SPECSTOP_HUB_TIMEOUT"
 def check_model_folder(folder: str | Path, role: str) -> None:
     """Refuse a local model folder that cannot load (empty, no config, no tokenizer, broken weights)."""
     folder = Path(folder)
+    check_not_a_broken_link(folder / "config.json")
     if not (folder / "config.json").is_file():
         what = "is empty" if not any(folder.iterdir()) else "has no config.json"
         raise UserError(

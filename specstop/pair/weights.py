@@ -87,9 +87,25 @@ def check_weight_files(folder: str | Path, role: str) -> list[Path]:
         if missing:
             raise UserError(f"{role} folder {folder}: {index.name} names shards that are missing: {missing[:3]}; copy them too")
     for f in files:
+        check_not_a_broken_link(f)
         if f.suffix == ".safetensors":
             safetensors_header(f)
     return files
+
+
+def check_not_a_broken_link(path: Path) -> None:
+    """Refuse a symbolic link that leads to nothing, naming the link and where it leads (a folder of
+    links, e.g. into a cache that was since cleaned, would otherwise read as a missing file or a
+    raw FileNotFoundError).
+
+    Raises:
+        UserError: ``path`` is a link whose target does not exist.
+    """
+    if path.is_symlink() and not path.exists():
+        raise UserError(
+            f"{path} is a symbolic link to {path.readlink()}, which does not exist (moved or deleted?); "
+            "link it to the file again or copy the file there"
+        )
 
 
 def _hash_file(h, path: Path) -> None:
