@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,51 @@ def setting(
 def comma_list(text: str) -> list[str]:
     """``"a,b"`` -> ``["a", "b"]``; ``"none"`` or ``""`` -> ``[]``."""
     return [] if text.strip().lower() in ("", "none") else [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _non_null(hint: Any) -> tuple[Any, ...]:
+    """The types a hint allows besides None (``dict | None`` -> ``(dict,)``)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(hint) if a is not type(None))
+    return (hint,)
+
+
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _shape(hint: Any) -> str:
+    """``mapping``, ``list`` or ``scalar``: how a setting is given as a flag."""
+    for h in _non_null(hint):
+        if h is dict or typing.get_origin(h) is dict:
+            return "mapping"
+        if h in (list, tuple) or typing.get_origin(h) in (list, tuple):
+            return "list"
+    return "scalar"
+
+
+def _example(hint: Any) -> str:
+    """A value of the setting's shape, for a message's fix: ``'[{key: value}]'``, ``'[a, b]'``, ``VALUE``."""
+    shape = _shape(hint)
+    if shape == "mapping":
+        return "'{key: value}'"
+    if shape == "scalar":
+        return "VALUE"
+    items = [typing.get_args(h) for h in _non_null(hint)]
+    item = next((a[0] for a in items if a), None)
+    mapping = item is not None and (item is dict or typing.get_origin(item) is dict or dataclasses.is_dataclass(item))
+    return "'[{key: value}, ...]'" if mapping else "'[a, b]'"
+
+
+def _yaml_value(name: str, text: str) -> Any:
+    """A flag's text read as YAML (JSON is YAML): ``1.0`` a float, ``[a, b]`` a list, ``{k: v}`` a mapping."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{name} {text!r}: not a YAML value ({problem}); quote it, e.g. {name} '[a, b]'") from None
 
 
 @dataclass(frozen=True)
@@ -196,6 +242,13 @@ class TypedCommand:
         self.config_flag = config_flag
         usage = f"{prog} {'[--config FILE] ' if config_flag else ''}[--SETTING VALUE ...] [options]"
         epilog = "Every --a_b flag may also be spelt --a-b."
+        shapes = {_shape(leaf.hint) for leaf in leaf_settings(root) if not (leaf.parse or leaf.repeatable)}
+        if "mapping" in shapes:
+            epilog += (" A mapping setting takes one key as --NAME.KEY VALUE, or the whole mapping as"
+                       " --NAME '{key: value}'.")
+        if "list" in shapes:
+            epilog += (" A list setting takes the whole list in YAML (or JSON) list syntax, --NAME '[a, b]' or"
+                       " --NAME '[{key: value}]', which replaces the file's list.")
         self.parser = jsonargparse.ArgumentParser(prog=prog, description=description, usage=usage, epilog=epilog,
                                                   exit_on_error=False, formatter_class=_short_flags_help())
         if config_flag:
@@ -322,62 +375,91 @@ class TypedCommand:
         out += [f"{leaf.dotted_flag}={_as_flag_text(values)}" for leaf, values in items.items()]
         return out
 
-    def _merge_mapping_keys(self, argv: list[str], file_values: dict[str, Any]) -> list[str]:
-        """``--data.generation.temperature 1.0`` for a mapping setting (``data``): one key set inside the
-        file's mapping (or the default's), the rest kept, the value read as YAML (``1.0`` a float, ``[a,
-        b]`` a list). The merged mapping goes on as one ``--data=JSON`` flag."""
+    def _setting_of(self, name: str) -> tuple[_Leaf | None, str]:
+        """The setting a flag names, and the dotted key below it: ``--data.generation.top_p`` ->
+        (``data``, ``generation.top_p``); ``--online-prompts`` -> (``online_prompts``, ``""``); a name
+        that is no setting's dotted flag (a short spelling, an unknown flag) -> (None, ``""``)."""
+        if not name.startswith("--"):
+            return None, ""
+        dotted = name[2:].replace("-", "_")
+        for leaf in self.leaves:
+            if dotted == leaf.path:
+                return leaf, ""
+            if dotted.startswith(leaf.path + "."):
+                return leaf, dotted[len(leaf.path) + 1:]
+        return None, ""
+
+    def _structured_flags(self, argv: list[str], file_values: dict[str, Any]) -> list[str]:
+        """One rule for the flags of mapping and list settings, and for dotted keys below any setting.
+
+        * A mapping setting (``data``): ``--data.generation.temperature 1.0`` sets one key inside the
+          file's mapping (or the default's), the rest kept; a whole ``--data '{...}'`` replaces the
+          file's, and keys given after it merge over it.
+        * A list setting (``also_decoding``): the flag's value is the whole list in YAML (or JSON) list
+          syntax, ``--also_decoding '[{temperature: 0.7}]'``; it replaces the file's list.
+        * A dotted key below a setting that is not a mapping (``--online_prompts.x``) is refused.
+
+        Values are read as YAML (``1.0`` a float, ``[a, b]`` a list) and a list is checked against the
+        setting's type, so a misuse is one line naming the flag. The merged value goes on as one
+        ``--NAME=JSON`` flag.
+        """
         import json
 
-        import yaml
+        from specstop.config_io import check_flag_value, describe_type
 
-        mappings = {leaf.path for leaf in self.leaves if "." not in leaf.path and any(
-            h is dict or typing.get_origin(h) is dict for h in (leaf.hint, *typing.get_args(leaf.hint)))}
-        if not mappings:
-            return argv
-        merged: dict[str, dict] = {}
+        merged: dict[str, Any] = {}
         out: list[str] = []
         i = 0
         while i < len(argv):
             arg = argv[i]
             name, eq, inline = arg.partition("=")
-            root, dot, key = name[2:].partition(".") if name.startswith("--") else ("", "", "")
-            root = root.replace("-", "_")
-            if root not in mappings or (dot and not key):
+            leaf, key = self._setting_of(name)
+            shape = _shape(leaf.hint) if leaf is not None else ""
+            # A setting with its own text syntax (a comma list, a repeated flag) keeps it.
+            if leaf is None or leaf.parse or leaf.repeatable or (shape == "scalar" and not key):
                 out.append(arg)
                 i += 1
                 continue
+            if key and shape != "mapping":
+                what = {"list": "a list", "scalar": "a switch" if leaf.is_switch else describe_type(leaf.hint)}[shape]
+                raise UserError(f"{name}: {leaf.path} is {what}, which has no key {key.split('.')[0]!r}; give "
+                                f"{leaf.dotted_flag} {_example(leaf.hint)}")
             if not eq and i + 1 >= len(argv):
                 raise UserError(f"{name} needs a value; see {self.prog} --help")
             text = inline if eq else argv[i + 1]
             i += 1 if eq else 2
-            if not dot:  # the whole mapping: it replaces the file's, and keys given after it merge over it
-                try:
-                    merged[root] = yaml.safe_load(text)
-                except yaml.YAMLError as err:
-                    raise UserError(f"{name} {text!r}: not a YAML mapping ({err})") from None
-                if not isinstance(merged[root], dict) and merged[root] is not None:
-                    raise UserError(f"{name} {text!r}: give a mapping, e.g. {name} '{{key: value}}'")
+            value = _yaml_value(name, text)
+            if shape == "list":
+                if not isinstance(value, list) and not (value is None and _optional(leaf.hint)):
+                    raise UserError(f"{name} {text!r}: give the whole list, e.g. {name} {_example(leaf.hint)}")
+                merged[leaf.path] = check_flag_value(value, leaf.hint, name)
                 continue
-            if merged.get(root) is None:
-                start = file_values[root] if root in file_values else self._default_of(root)
-                merged[root] = json.loads(json.dumps(start or {}))  # a copy: the file's values stay as read
-            node = merged[root]
+            if not key:  # the whole mapping
+                if not isinstance(value, dict) and value is not None:
+                    raise UserError(f"{name} {text!r}: give a mapping, e.g. {name} '{{key: value}}'")
+                merged[leaf.path] = value
+                continue
+            if merged.get(leaf.path) is None:
+                start = file_values[leaf.path] if leaf.path in file_values else self._default_of(leaf.path)
+                merged[leaf.path] = json.loads(json.dumps(start or {}))  # a copy: the file's values stay as read
+            node = merged[leaf.path]
             *parents, last = key.split(".")
             for depth, part in enumerate(parents):
                 if not isinstance(node.get(part, {}), dict):
-                    within = ".".join([root, *parents[: depth + 1]])
+                    within = ".".join([leaf.path, *parents[: depth + 1]])
                     child = (parents[depth + 1:] or [last])[0]
                     raise UserError(f"{name}: {within} is not a mapping, so it has no key {child!r}")
                 node = node.setdefault(part, {})
-            try:
-                node[last] = yaml.safe_load(text)
-            except yaml.YAMLError as err:
-                raise UserError(f"{name} {text!r}: not a YAML value ({err})") from None
-        return out + [f"--{root}={json.dumps(value)}" for root, value in merged.items()]
+            node[last] = value
+        return out + [f"--{path}={json.dumps(value)}" for path, value in merged.items()]
 
     def _default_of(self, path: str) -> Any:
-        """A top-level setting's default value."""
-        field = next(f for f in dataclasses.fields(self.root) if f.name == path)
+        """A setting's default value (``path`` dotted through nested sections)."""
+        owner: Any = self.root
+        *sections, name = path.split(".")
+        for section in sections:
+            owner = typing.get_type_hints(owner)[section]
+        field = next(f for f in dataclasses.fields(owner) if f.name == name)
         if field.default is not dataclasses.MISSING:
             return field.default
         return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
@@ -405,7 +487,7 @@ class TypedCommand:
         file_values = leaf_values(self.load_file(path)) if path is not None else {}
         if path is not None:
             self.parser.set_defaults(file_values)
-        argv = self._merge_mapping_keys(argv, file_values)
+        argv = self._structured_flags(argv, file_values)
         try:
             ns = self.parser.parse_args(self._rewrite(argv))
             built = self.parser.instantiate(ns)
@@ -446,10 +528,16 @@ class TypedCommand:
             return f"{spelled} must be {describe_type(leaf.hint)}{got}; see {self.prog} --help"
         unknown = re.match(r"unrecognized arguments: (\S+)", text)
         if unknown:
+            token = unknown.group(1)
+            if not token.startswith("-"):  # a value no flag took: a stray word, or a switch given a value
+                return (f"unexpected value {token!r}: no flag takes it (each value follows its flag, and a "
+                        f"switch takes none); see {self.prog} --help")
+            # Only current spellings are offered: a near deprecated one is offered as its current name.
+            current = {flag: instead for flag, (_, _, instead) in self._spellings.items() if instead}
             known = [*self._spellings, *(o for a in self.parser._actions for o in a.option_strings)]
-            near = difflib.get_close_matches(unknown.group(1).split("=")[0], known, n=1)
-            hint = f" (did you mean {near[0]}?)" if near else ""
-            return f"unknown flag {unknown.group(1)}{hint}; see {self.prog} --help"
+            near = difflib.get_close_matches(token.split("=")[0], known, n=1)
+            hint = f" (did you mean {current.get(near[0], near[0])}?)" if near else ""
+            return f"unknown flag {token}{hint}; see {self.prog} --help"
         return f"{text}; see {self.prog} --help"
 
 

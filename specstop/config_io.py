@@ -146,6 +146,11 @@ def describe_type(hint: Any) -> str:
 
 
 def _plural(text: str) -> str:
+    """``an integer or a string`` -> ``integers or strings``; ``a mapping of X to Y`` -> ``mappings of X to Y``."""
+    if " or " in text and not text.startswith("a mapping"):
+        return " or ".join(_plural(part) for part in text.split(" or "))
+    if text.startswith("a mapping of "):
+        return "mappings of " + text[len("a mapping of "):]
     for article in ("an ", "a "):
         if text.startswith(article):
             text = text[len(article):]
@@ -176,6 +181,18 @@ def check_type(value: Any, hint: Any, key: str) -> Any:
         raise UserError(
             f"config key {key!r} must be {describe_type(hint)}, got {short(value)} ({_kind(value)})"
         )
+    return converted
+
+
+def check_flag_value(value: Any, hint: Any, flag: str) -> Any:
+    """:func:`check_type` for a value given as a flag: the message names the flag as it was spelt.
+
+    Raises:
+        UserError: ``--also_decoding must be a list of mappings ..., got ... (a string)``.
+    """
+    ok, converted = _matches(value, hint)
+    if not ok:
+        raise UserError(f"{flag} must be {describe_type(hint)}, got {short(value)} ({_kind(value)})")
     return converted
 
 

@@ -291,3 +291,69 @@ def test_a_key_of_a_mapping_setting_merges_into_the_files_mapping(tmp_path):
         command().parse(["--config", str(cfg), "--data.generation.max_new_tokens.x", "1"])
     with pytest.raises(UserError, match="--data 'abc': give a mapping"):
         command().parse(["--config", str(cfg), "--data", "abc"])
+
+
+def test_a_list_setting_is_one_flag_in_yaml_list_syntax(tmp_path):
+    """`--also_decoding '[...]'` gives the whole list (it replaces the file's), typed like the file's."""
+    from specstop.pipeline.cli import command
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pair: p\ndata: {generation: {temperature: 0.7}}\nalso_decoding: [{temperature: 1.0}]\n")
+    settings, _ = command().parse(["--config", str(cfg), "--also-decoding", "[{temperature: 0.5, top_p: 0.9}]"])
+    assert settings.also_decoding == [{"temperature": 0.5, "top_p": 0.9}]
+    settings, _ = command().parse(["--config", str(cfg), '--also_decoding=[{"temperature": 0}]', "--tune_args", "[a, 1]"])
+    assert settings.also_decoding == [{"temperature": 0}] and settings.tune_args == ["a", "1"]
+    with pytest.raises(UserError, match=r"^--also_decoding '\{temperature: 1\}': give the whole list, e\.g\. "):
+        command().parse(["--config", str(cfg), "--also_decoding", "{temperature: 1}"])
+    with pytest.raises(UserError, match=r"^--also_decoding must be a list of mappings of strings to any value, got \[1\]"):
+        command().parse(["--config", str(cfg), "--also_decoding", "[1]"])
+    with pytest.raises(UserError, match=r"^--also_decoding '\[\{': not a YAML value"):
+        command().parse(["--config", str(cfg), "--also_decoding", "[{"])
+    assert "A list setting takes the whole list in YAML" in " ".join(command().parser.format_help().split())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--online_prompts.x", "1"], "--online_prompts.x: online_prompts is an integer, which has no key 'x'; give "
+                                  "--online_prompts VALUE"),
+    (["--tune.split.x", "a"], "--tune.split.x: tune.split is a string, which has no key 'x'"),
+    (["--fetch.x", "1"], "--fetch.x: fetch is a switch, which has no key 'x'"),
+    (["--also_decoding.temperature", "0.7"], "--also_decoding.temperature: also_decoding is a list, which has no "
+                                             "key 'temperature'; give --also_decoding '[{key: value}, ...]'"),
+])
+def test_a_dotted_key_below_a_setting_that_is_no_mapping_is_one_line(argv, message):
+    from specstop.pipeline.cli import command
+
+    with pytest.raises(UserError) as err:
+        command().parse(argv)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--data.generation.temperature", "hot"], ["--data.generation.temperature", "[1]"], ["--data.generation", "3"],
+    ["--also_decoding", "[{temperature: hot}]"], ["--also_decoding", "[{temperature: [1]}]"],
+])
+def test_a_wrongly_typed_decoding_value_in_a_pipeline_section_is_one_line(flags, tmp_path):
+    """Each data section is checked as a generate config before its decoding settings are compared."""
+    from specstop.pipeline.cli import command
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pair: p\ndata: {generation: {temperature: 0.7}}\n")
+    settings, _ = command().parse(["--config", str(cfg), *flags])
+    with pytest.raises(UserError, match=r"section (data|also_decoding\[0\]): config (key 'generation.temperature' "
+                                        r"must be a number|section generation must be a mapping)"):
+        settings.validate(str(cfg))
+
+
+def test_a_stray_value_is_named_as_a_value_and_only_current_spellings_are_offered():
+    from specstop.data_gen.cli import command as generate
+    from specstop.pipeline.cli import command as pipeline
+
+    with pytest.raises(UserError, match=r"^unexpected value 'stray': no flag takes it"):
+        pipeline().parse(["--online-prompts", "2", "stray"])
+    with pytest.raises(UserError, match=r"^unexpected value 'yes': no flag takes it .*a switch takes none"):
+        pipeline().parse(["--force", "yes"])
+    # --out and --topk are deprecated spellings: the current ones are offered
+    with pytest.raises(UserError, match=r"^unknown flag --outt \(did you mean --data\?\)"):
+        generate().parse(["--outt", "x"])
+    with pytest.raises(UserError, match=r"^unknown flag --topkk \(did you mean --feature-topk\?\)"):
+        generate().parse(["--topkk", "3"])

@@ -187,17 +187,14 @@ class PipelineConfig(PairSettings):
                 raise UserError(f"{source}: family {fam.name!r} is listed twice; give each family once")
             seen.add(fam.name)
         sections = [("data", self.data), ("test_data", self.test_data)]
-        seen_settings = {decoding_slug((self.data or {}).get("generation") or {})}
         for i, entry in enumerate(self.also_decoding):
             where = f"also_decoding[{i}]"
             if not isinstance(entry, dict) or not entry or set(entry) - DECODING_KEYS:
                 raise UserError(f"{source}: {where} must map some of {', '.join(sorted(DECODING_KEYS))} to values, "
                                 f"e.g. {{temperature: 1.0}}; got {entry!r}")
             sections.append((where, self.decoding_data(entry)))
-            slug = decoding_slug(entry)
-            if slug in seen_settings:
-                raise UserError(f"{source}: {where} ({slug}) repeats the data section's setting or another entry's")
-            seen_settings.add(slug)
+        # Every section is checked as a generate config first, so a decoding value of the wrong type
+        # is one line naming its section before the settings are compared below.
         for key, section in sections:
             if section is None:
                 continue
@@ -206,6 +203,13 @@ class PipelineConfig(PairSettings):
                 config_from_dict(conf).validate()
             except UserError as err:
                 raise UserError(f"{source}: section {key}: {err}") from None
+        seen_settings = {decoding_slug((self.data or {}).get("generation") or {})}
+        for i, entry in enumerate(self.also_decoding):
+            slug = decoding_slug(entry)
+            if slug in seen_settings:
+                raise UserError(f"{source}: also_decoding[{i}] ({slug}) repeats the data section's setting or "
+                                "another entry's")
+            seen_settings.add(slug)
 
     def decoding_data(self, setting: dict) -> dict:
         """The data section with ``setting``'s generation keys (an ``also_decoding`` entry's dataset); a
