@@ -356,3 +356,27 @@ def test_an_interrupt_a_library_turned_into_another_error_still_reports_memory(m
             except Exception:
                 pass
             memory.raise_if_tripped()
+
+
+def test_target_init_beyond_the_vocabulary_and_its_counters(tiny_pair_dir, capsys):
+    """--target-init T above the vocabulary size is one line (it cannot draw T distinct tokens), and
+    target-initialized counters never read more discarded than drafted: the target's own first-level
+    tokens are neither drafted nor discarded."""
+    from specstop.decode.tree_decoder import TreeDecoder
+    from specstop.tree_policy import parse_tree_policy
+
+    pair = tiny_pair(seed=3)
+    vocab = pair.vocab_size
+    with pytest.raises(UserError, match=f"the vocabulary has {vocab}: give T <= {vocab}"):
+        TreeDecoder(pair, parse_tree_policy("mcsd:2,1"), target_init=vocab + 1)
+    one_line_error(capsys, main(["decode", "--pair", str(tiny_pair_dir), "--device", "cpu", "--prompt", "hi",
+                                 "--max-new-tokens", "4", "--policy", "mcsd:2,1", "--target-init", str(vocab + 5)]),
+                   "target-initialized generation (--target-init T) draws T distinct target tokens",
+                   f"give T <= {vocab}")
+    for t_init in (2, 8):
+        res = TreeDecoder(pair, parse_tree_policy("mcsd:2,1"), target_init=t_init).generate([5, 9, 17, 3], 16)
+        c = res.counters
+        assert 0 <= c["N_discarded"] <= c["N_draft"], c
+        # Every drafted node is either emitted (the tokens after each round's first) or discarded.
+        assert c["N_draft"] - c["N_discarded"] == sum(res.accepted_per_round), c
+

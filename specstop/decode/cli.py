@@ -131,9 +131,6 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
             raise UserError(f"--target-init grows a static k-config below the target's tokens; use --policy "
                             f"mcsd:K1,K2,... (got {args.policy!r}) or drop --target-init")
         check_range("--target-init", args.target_init, low=1)
-        if args.target_init >= 2:
-            print(f"--target-init {args.target_init}: target-initialized generation is NOT lossless - the output can "
-                  "differ from the target's own", file=sys.stderr)
     if exported is not None and exported[1] is not None:
         if node_head is not None:
             raise UserError(f"{args.policy} carries its own node head; drop --node-head")
@@ -156,6 +153,9 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
         if node_head is not None:
             node_head.check_pair(pair)
         decoder = TreeDecoder(pair, shape, decoding, node_head=node_head, target_init=args.target_init)
+        if (args.target_init or 0) >= 2:  # once the decoder has accepted T (it is at most the vocabulary)
+            print(f"--target-init {args.target_init}: target-initialized generation is NOT lossless - the output can "
+                  "differ from the target's own", file=sys.stderr)
     else:
         policy = StoppingPolicy.for_pair(str(source or args.policy), pair,
                                          allow_draft_mismatch=args.allow_draft_mismatch)

@@ -71,6 +71,10 @@ class TreeDecoder:
                                 f"{shape.label} is not one - use mcsd:K1,K2,...")
             if int(target_init) < 1:
                 raise UserError(f"target-initialized generation needs T >= 1 target tokens per round, got {target_init}")
+            if int(target_init) > pair.vocab_size:
+                # More first-level tokens than the vocabulary holds cannot be drawn: T would be silently cut.
+                raise UserError(f"target-initialized generation (--target-init T) draws T distinct target tokens per round, but the "
+                                f"vocabulary has {pair.vocab_size}: give T <= {pair.vocab_size} (got {target_init})")
         self.target_init = None if target_init is None else int(target_init)
         self.pair = pair
         self.shape = shape
@@ -258,7 +262,9 @@ class TreeDecoder:
         target's. T = 1 keeps it (t_1 is the target's own token).
 
         Counters as :meth:`generate`: ``round_lengths`` counts the verified nodes (the T target tokens
-        included), ``accepted_per_round`` the emitted tokens minus one, ``N_draft`` the drafted nodes.
+        included), ``accepted_per_round`` the emitted tokens minus one, ``N_draft`` the drafted nodes and
+        ``N_discarded`` the drafted nodes not emitted (the target's own tokens are neither: at most
+        ``N_draft`` are discarded).
         """
         greedy = self.decoding.greedy
         n_init = self.target_init
@@ -347,7 +353,7 @@ class TreeDecoder:
             draft.keep_path(list(range(fed_pending)) + [slot[u] for u in path if u in slot])
             n_target += 1
             n_draft += k - len(first)
-            n_discarded += k - len(path)
+            n_discarded += (k - len(first)) - (len(path) - 1)  # path[0] is the target's token, not drafted
             draft_forwards += forwards
             rounds_k.append(k)
             rounds_n.append(len(path) - 1)
