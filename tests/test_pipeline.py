@@ -284,3 +284,29 @@ def test_pipeline_tunes_the_policy_per_decoding_setting(pipeline_config, tmp_pat
             from specstop.pipeline import PipelineConfig
 
             PipelineConfig.from_yaml(bad)
+
+
+def test_a_rerun_with_changed_label_settings_names_the_run_folder_not_a_data_flag(pipeline_config, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """The data stage's folder is RUN/data, chosen by the pipeline: a rerun whose data section would mix
+    label settings into it is refused with advice about the run (its config, --run-dir, or deleting
+    RUN/data), never `--data`, which the pipeline does not take as a folder. Its shards are kept."""
+    import pathlib
+
+    _, cfg = pipeline_config
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    run_dir = tmp_path / "run"
+    # No families and a cost file that is not there: the run stops right after its data stage.
+    cfg = {**cfg, "run_dir": str(run_dir), "families": [], "online_prompts": 0,
+           "cost_model": str(tmp_path / "missing_cost.json")}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", "--config", str(path)]) == 2
+    shards = {p.name: p.stat().st_mtime for p in complete_shards(run_dir / "data")}
+    assert shards
+    capsys.readouterr()
+    assert main(["pipeline", "--config", str(path), "--data.labels.rollouts.length", "10"]) == 2
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln)
+    assert "other label settings" in line and "--data folder" not in line, line
+    assert f"give a new run_dir (--run-dir), or delete {run_dir / 'data'} to make that data again" in line, line
+    assert {p.name: p.stat().st_mtime for p in complete_shards(run_dir / "data")} == shards

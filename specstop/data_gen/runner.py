@@ -29,11 +29,24 @@ from specstop.data_gen.storage import complete_shards, read_shard_record, shard_
 from specstop.errors import UserError
 from specstop.jsonio import atomic_write_json
 from specstop.outputs import claim_output_dir
-from specstop.pair.identity import check_same_pair
+from specstop.pair.identity import check_same_pair, pair_difference
 
 log = logging.getLogger(__name__)
 
 SPLIT_ORDER = ("train", "validation", "test")
+
+
+class DataFolderConflict(UserError):
+    """The data folder holds shards that this run must not mix with its own; nothing was changed.
+
+    ``problem`` says what differs and ``fix`` what to do about ``generate --data``'s folder. A command
+    that chose the folder itself (``specstop pipeline``'s ``RUN/data``) words its own fix from
+    ``problem``, so no advice names a flag the user did not give.
+    """
+
+    def __init__(self, problem: str, fix: str, sep: str = "; ") -> None:
+        super().__init__(f"{problem}{sep}{fix}")
+        self.problem, self.fix = problem, fix
 
 
 @dataclass
@@ -102,16 +115,18 @@ def _shard_status(
         return "missing"
     meta = (read_shard_record(path) or {}).get("meta", {})
     if meta.get("fingerprint") != fingerprint:
-        raise UserError(
+        raise DataFolderConflict(
             f"{path} was written with other label settings (fingerprint {meta.get('fingerprint')} != {fingerprint}); "
-            "a dataset must not mix settings: use a new --data folder, or delete that folder to start over"
+            "a dataset must not mix settings",
+            "use a new --data folder, or delete that folder to start over", sep=": ",
         )
-    if pair is not None:
-        check_same_pair(
-            meta.get("pair"), pair, dtype=True, name=True,
-            what=f"{path} was generated with another model pair or dtype than this run",
-            fix="a dataset must not mix pairs: rerun with the --pair/--draft/--target and --dtype it was started "
-            "with, or use a new --data folder",
+    diff = pair_difference(meta.get("pair"), pair, dtype=True, name=True) if pair is not None else None
+    if diff is not None:
+        raise DataFolderConflict(
+            f"{path} was generated with another model pair or dtype than this run ({diff}); a dataset must not "
+            "mix pairs",
+            "rerun with the --pair/--draft/--target and --dtype it was started with, or use a new --data folder",
+            sep=": ",
         )
     return "done" if meta.get("prompt_ids") == plan.prompt_ids else "stale"
 
@@ -120,10 +135,11 @@ def check_no_foreign_shards(out_dir: Path, plan: Sequence[ShardPlan]) -> None:
     names = {p.name for p in plan}
     foreign = [p.name for p in complete_shards(out_dir, strict=False) if p.name not in names]
     if foreign:
-        raise UserError(
+        raise DataFolderConflict(
             f"{out_dir} holds shards that this prompt set does not produce: {', '.join(foreign[:5])}"
             f"{' ...' if len(foreign) > 5 else ''} (from a run with another prompt set, --limit or "
-            "prompts_per_shard?); use a new --data folder, or delete them"
+            "prompts_per_shard?)",
+            "use a new --data folder, or delete them",
         )
 
 

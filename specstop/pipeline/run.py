@@ -103,11 +103,26 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         out = run_dir / name
         conf_path = run_dir / "configs" / f"{name}.yaml"
         _write_generate_config(cfg, data_cfg, out, conf_path)
+        def generate() -> dict:
+            from specstop.data_gen.runner import DataFolderConflict
+
+            try:
+                _cli(["generate", "--config", str(conf_path)])
+            except DataFolderConflict as err:
+                # The folder is the run's own RUN/<stage>, not a --data the user gave: say so.
+                section = {"data": "data section", "test_data": "test_data section"}.get(
+                    name, "data section or its also_decoding entry")
+                raise UserError(
+                    f"{err.problem}; the pipeline's {section} or pair changed since {out} was made: restore them, "
+                    f"give a new run_dir (--run-dir), or delete {out} to make that data again"
+                ) from None
+            return {"data_dir": str(out)}
+
         runner.run(
             name,
             {"data": data_cfg, "pair": [cfg.pair, cfg.draft, cfg.target], "dtype": cfg.dtype, **_quant(cfg)},
             ["fetch"],
-            lambda: (_cli(["generate", "--config", str(conf_path)]) or {"data_dir": str(out)}),
+            generate,
             outputs_exist=lambda o: (Path(o.get("data_dir", "")) / "manifest.json").is_file(),
         )
         return out
