@@ -123,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
         check_supported_versions()  # one line naming the releases needed, before any traceback from them
         return run_command(name, rest)
-    except KeyboardInterrupt:
-        print(f"specstop {name}: {INTERRUPTED.get(name, 'interrupted')}", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        # A command that knows what it kept says so in the interrupt (train: whether an epoch was saved).
+        said = str(err.args[0]) if err.args else INTERRUPTED.get(name, "interrupted")
+        print(f"specstop {name}: {said}", file=sys.stderr)
         return 130
     except Exception as err:
         # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping

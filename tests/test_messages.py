@@ -116,3 +116,21 @@ def test_data_without_hidden_states_is_the_datas_problem_not_the_checkpoints(tmp
                           f"predictor 'h' reads draft hidden states but {data} has none",
                           "regenerate with hidden states")
     assert "give the .ckpt" not in line  # the checkpoint is fine: another one would not help
+
+
+def test_ctrl_c_in_train_before_any_checkpoint_names_no_file_to_resume_from(synth_dir, tmp_path, monkeypatch, capsys):
+    """Interrupted while the run is set up, nothing is saved: the line says so and names no last.ckpt."""
+    from pathlib import Path
+
+    import specstop.train.cli as train_cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_cli, "check_train_outputs", interrupted)
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "train" / "disco_ffn.yaml"
+    assert main(["train", "--config", str(cfg), "--data.data_dir", str(synth_dir), "--trainer.logger", "false"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("specstop train: interrupted before training started; nothing was saved: rerun the same "
+                       "command"), err

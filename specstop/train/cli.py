@@ -120,6 +120,7 @@ class SpecstopCLI(LightningCLI):
     """LightningCLI with specstop defaults: best- and last-checkpoint callback, CSV + TensorBoard, links."""
 
     _argv: list[str] | None = None  # the command line, for the resume hint
+    _trainer: L.Trainer | None = None  # set when fitting starts: what an interrupt outside an epoch kept
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
@@ -180,6 +181,7 @@ class SpecstopCLI(LightningCLI):
         set_deepspeed_batch_size(self.trainer, self.datamodule)
         align_logger_versions(self.trainer)
         add_last_checkpoint(self.trainer)
+        SpecstopCLI._trainer = self.trainer
         self.trainer.callbacks.append(MemoryGuardCallback())
         self.trainer.callbacks.append(ResumeHintCallback(self._argv))
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -447,11 +449,23 @@ def main(argv: list[str] | None = None) -> int:
             if Path(path).is_file():
                 check_yaml_file(path, "train config")
         try:
-            SpecstopCLI._argv = argv
+            SpecstopCLI._argv, SpecstopCLI._trainer = argv, None
             build_cli(with_default_subcommand(argv), run=True)
         except argparse.ArgumentError as err:
             raise UserError(summarize_parse_error(str(err))) from None
+        except KeyboardInterrupt:
+            # Outside the epochs (reading the data, building the model, the final evaluation): say what
+            # is saved, so no resume names a last.ckpt that was never written.
+            raise KeyboardInterrupt(interrupted_outside_epochs(SpecstopCLI._trainer, argv)) from None
     return 0
+
+
+def interrupted_outside_epochs(trainer: L.Trainer | None, argv: list[str]) -> str:
+    """What an interrupt outside the training epochs kept, without the ``specstop train:`` prefix: the
+    resume command of the last saved epoch (:func:`resume_hint`), or that nothing was saved yet."""
+    if trainer is None:
+        return "interrupted before training started; nothing was saved: rerun the same command"
+    return resume_hint(trainer, [a for a in argv if a != "fit"]).removeprefix("specstop train: ")
 
 
 def summarize_parse_error(text: str) -> str:
