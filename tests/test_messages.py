@@ -134,3 +134,28 @@ def test_ctrl_c_in_train_before_any_checkpoint_names_no_file_to_resume_from(synt
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("specstop train: interrupted before training started; nothing was saved: rerun the same "
                        "command"), err
+
+
+
+@pytest.mark.parametrize("mixing, hidden, said", [
+    ({}, False, True),  # asked for (the defaults) without hidden states: skipped, and said so
+    ({}, True, False),
+    ({"draws": 0}, False, False),
+    ({"rate": 1.0}, False, False),  # a rate of 1 mixes nothing: mixing is off
+    ({"splits": []}, False, False),  # `--mixing-on none`
+])
+def test_the_mixing_notice_speaks_only_of_mixing_that_was_asked_for(mixing, hidden, said, pair, tmp_path, caplog):
+    import logging
+
+    from _data_gen_helpers import make_render, records
+
+    from specstop.data_gen.config import config_from_dict
+    from specstop.data_gen.runner import generate_dataset
+
+    cfg = config_from_dict({"prompts_per_shard": 2, "generation": {"max_new_tokens": 4, "batch_size": 2},
+                            "labels": {"hidden_states": hidden, "mixing": mixing, "rollouts": {"length": 0}}})
+    with caplog.at_level(logging.INFO, logger="specstop"):
+        generate_dataset(pair, records(3), cfg, tmp_path / "ds", render=make_render(pair.tokenizer), progress=False)
+    notes = [r.getMessage() for r in caplog.records if "token mixing" in r.getMessage()]
+    assert notes == (["token mixing skipped: it produces hidden-state rows and labels.hidden_states is off"]
+                     if said else []), notes

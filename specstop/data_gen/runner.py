@@ -24,7 +24,7 @@ from specstop.data_gen.labels import LABELS_VERSION, label_semantics
 from specstop.data_gen.ownership import check_no_foreign_files, clean_partial_shards
 from specstop.data_gen.responses import default_render, eos_ids, max_prompt_tokens, prepare_prompts
 from specstop.data_gen.schema import SCHEMA_VERSION
-from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, rollouts_enabled
+from specstop.data_gen.shard import BatchTables, label_batch, mixing_enabled, mixing_notice, rollouts_enabled
 from specstop.data_gen.storage import complete_shards, read_shard_record, shard_name, write_shard
 from specstop.errors import UserError
 from specstop.jsonio import atomic_write_json
@@ -203,8 +203,8 @@ def _generate_locked(pair, plan, cfg, out: Path, *, render, num_shards, shard_in
     render = render or default_render(pair.tokenizer, cfg.prompts.chat_template, cfg.prompts.system_prompt)
     limit = max_prompt_tokens(pair, cfg.generation)
     hidden_size = pair.draft_identity.hidden_size if cfg.labels.hidden_states else None
-    if cfg.labels.mixing.draws > 0 and not cfg.labels.hidden_states:
-        log.info("token mixing skipped: it produces hidden-state rows and labels.hidden_states is off")
+    if (note := mixing_notice(cfg)) is not None:
+        log.info("%s", note)
     if cfg.generation.temperature > 0 and cfg.labels.rollouts.length > 0 and cfg.labels.rollouts.splits:
         log.info("rollouts on %s are rejection rollouts (the continuation after a residual draw: sampled replay)",
                  ", ".join(cfg.labels.rollouts.splits))

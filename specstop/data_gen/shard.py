@@ -51,9 +51,23 @@ class BatchTables:
         return out
 
 
-def mixing_enabled(cfg: DataGenConfig, split: str) -> bool:
+def mixing_requested(cfg: DataGenConfig) -> bool:
+    """Token mixing is asked for on some split: draws > 0, a rate below 1 (1 mixes nothing) and a split."""
     m = cfg.labels.mixing
-    return cfg.labels.hidden_states and m.draws > 0 and m.rate < 1.0 and split in m.splits
+    return m.draws > 0 and m.rate < 1.0 and bool(m.splits)
+
+
+def mixing_enabled(cfg: DataGenConfig, split: str) -> bool:
+    """Mixed rows are made on ``split``: asked for there, and hidden states (their features) are kept."""
+    return cfg.labels.hidden_states and mixing_requested(cfg) and split in cfg.labels.mixing.splits
+
+
+def mixing_notice(cfg: DataGenConfig) -> str | None:
+    """The note that mixing asked for is skipped (it needs hidden states), or None: a run whose mixing
+    is off (no draws, rate 1, no split) is told nothing about it."""
+    if mixing_requested(cfg) and not cfg.labels.hidden_states:
+        return "token mixing skipped: it produces hidden-state rows and labels.hidden_states is off"
+    return None
 
 
 def rollouts_enabled(cfg: DataGenConfig, split: str) -> bool:
