@@ -159,3 +159,23 @@ def test_the_mixing_notice_speaks_only_of_mixing_that_was_asked_for(mixing, hidd
     notes = [r.getMessage() for r in caplog.records if "token mixing" in r.getMessage()]
     assert notes == (["token mixing skipped: it produces hidden-state rows and labels.hidden_states is off"]
                      if said else []), notes
+
+
+def test_a_response_that_fills_the_context_window_is_refused_with_both_numbers(pair, tmp_path, capsys):
+    """max_new_tokens at or beyond the window leaves no prompt budget: one line naming the window and the
+    setting, never a negative number of tokens."""
+    from _data_gen_helpers import make_render, records
+
+    from specstop.data_gen.config import config_from_dict
+    from specstop.data_gen.runner import generate_dataset
+    from specstop.pair.context import context_window
+
+    window = context_window(pair)
+    cfg = config_from_dict({"generation": {"max_new_tokens": window + 5}})
+    with pytest.raises(UserError) as err:
+        generate_dataset(pair, records(3), cfg, tmp_path / "ds", render=make_render(pair.tokenizer), progress=False)
+    text = str(err.value)
+    assert text.startswith(f"generation.max_new_tokens {window + 5} plus a prompt of at least one token needs "
+                           f"{window + 6} positions but the models' context window is {window} tokens"), text
+    assert "lower generation.max_new_tokens" in text and "-5" not in text
+    assert not (tmp_path / "ds").exists()

@@ -76,7 +76,15 @@ def max_prompt_tokens(pair, gen: GenerationConfig) -> int | None:
     if gen.max_prompt_tokens is not None:
         return int(gen.max_prompt_tokens)
     ctx = context_limit(pair)
-    return None if ctx is None else ctx - gen.max_new_tokens
+    if ctx is None:
+        return None
+    from specstop.pair.context import check_fits
+
+    # A response that fills the window leaves a budget of zero or less: refused here, with both numbers,
+    # rather than as a negative count of tokens once the first prompt is rendered.
+    check_fits(pair, gen.max_new_tokens + 1, f"generation.max_new_tokens {gen.max_new_tokens} plus a prompt of at "
+               "least one token", "lower generation.max_new_tokens (--max-new-tokens)")
+    return ctx - gen.max_new_tokens
 
 
 def prepare_prompts(
