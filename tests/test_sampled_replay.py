@@ -87,6 +87,59 @@ def test_sampled_replay_counts_what_the_decoder_counts(sampled, spec):
     assert 1.2 < dec < 3.9  # rejections happen (not a vacuous comparison) but drafts are accepted too
 
 
+def _rounds_per_token(pair, data, v, prompts, spec, predictor, seeds):
+    """Per prompt, rounds per emitted token: the replay's over its realisations of the recorded sample,
+    the decoder's pooled over ``seeds`` fresh samples. Rounds per token is what latency is linear in (a
+    round's price over the tokens it emits); tokens per round, its reciprocal, is not: a replay that
+    conditions on one sample per prompt reads higher in tokens per round than decoding that draws new
+    ones, by Jensen's inequality, though both count the same rounds in expectation."""
+    n_p = v.virtual_prompts
+    rep, dec = [], []
+    for p, ids in enumerate(prompts):
+        c = fast_replay(v.subset(np.arange(p, v.num_prompts, n_p)), spec)
+        rep.append(c.rounds / c.n)
+        n = r = 0
+        for seed in seeds:
+            res = SpeculativeDecoder(pair, StoppingPolicy(spec, predictor), DecodingConfig(temperature=T)).generate(
+                ids, MAX_NEW, seed=seed)
+            n += res.counters["N"]
+            r += res.counters["N_target"]
+        dec.append(r / n)
+    return np.asarray(rep), np.asarray(dec)
+
+
+@pytest.mark.parametrize("family", ["confidence", "disco_ffn"])
+def test_sampled_replay_of_adaptive_and_learned_policies_meets_the_decoder(sampled, family):
+    """A rule that reads the drafted token's probability and a learned DISCO head (its scores from the
+    dataset in the replay, from the live draft in decoding): the replay's rounds per token against the
+    decoder's over many seeds, paired per prompt."""
+    from specstop.eval.scoring import score_split
+    from specstop.models import build_predictor
+
+    pair, out, prompt_ids = sampled
+    data = load_replay_data(out, "test")
+    torch.manual_seed(0)
+    predictor = build_predictor("disco_ffn").eval() if family == "disco_ffn" else None
+    if predictor is not None:
+        score_split(data, out, "test", "disco_ffn", predictor)
+    v = replayable(data, out, "test", repeats=64, max_steps=8)
+    if predictor is None:  # a threshold the drafted tokens' probabilities cross often
+        spec = PolicySpec(kind="confidence", threshold=float(np.quantile(v.top1, 0.3)), sl_max=8)
+    else:
+        spec = PolicySpec(kind="predictor", family="disco_ffn", rule="below", reads="dist", sl_max=8,
+                          threshold=float(np.quantile(data.row_scores["disco_ffn"], 0.4)))
+    prompts = [prompt_ids[str(p)] for p in data.prompt_ids]
+    rep, dec = _rounds_per_token(pair, data, v, prompts, spec, predictor, seeds=range(6))
+    diff = dec - rep
+    se = diff.std(ddof=1) / np.sqrt(len(diff))
+    assert abs(diff.mean()) < 4 * se + 1e-9, (rep.mean(), dec.mean(), se)
+    assert 0.3 < dec.mean() < 0.9  # rounds both end early and run several tokens: not a vacuous check
+    # The policy really adapts: its rounds differ in length within a prompt.
+    lengths = SpeculativeDecoder(pair, StoppingPolicy(spec, predictor), DecodingConfig(temperature=T)).generate(
+        prompts[0], MAX_NEW, seed=0).round_lengths
+    assert len(set(lengths)) > 1, lengths
+
+
 def test_virtual_copies_draw_acceptance_with_the_conditional_probability(sampled):
     _pair, out, _ids = sampled
     data = load_replay_data(out, "test")
