@@ -50,6 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_speedup import add_prompt_flags, dataset_prompts, text_prompts  # noqa: E402
 
+from specstop.script_args import ScriptParser, existing_file, positive_int, result_file, write_result  # noqa: E402
+from specstop.script_main import run_main  # noqa: E402
+
 FLAG = 0.10
 
 
@@ -113,20 +116,21 @@ def run_batches(decoder, prompts, b, max_new, *, baseline: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--cost", required=True, help="cost.json with a batch section (calibrate-cost --batch-grid)")
-    ap.add_argument("--tuned", required=True, help="tuned.json with a batch_schedule (specstop tune)")
+    ap.add_argument("--cost", required=True, type=existing_file,
+                    help="cost.json with a batch section (calibrate-cost --batch-grid)")
+    ap.add_argument("--tuned", required=True, type=existing_file, help="tuned.json with a batch_schedule (specstop tune)")
     add_prompt_flags(ap, data_help="a specstop dataset: decode its --split prompts; enables the replay prediction",
                      split="test", limit=16, limit_help="prompts to decode at every B")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--k", default="1,2,3,4,5,6", help="static K values to run at every B")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's (else 64)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the dataset's (else 64)")
+    ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="order of the interleaved runs")
-    ap.add_argument("--out", help="write the table and every run as JSON here")
+    ap.add_argument("--out", type=result_file(__file__), help="write the table and every run as JSON here")
     args = ap.parse_args(argv)
 
     from specstop.data_gen.storage import read_manifest
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
                "batch_schedule": tuned.get("batch_schedule"), "rows": rows,
                "runs": {f"{b} {t}": [{k: v for k, v in r.items() if k != "outputs"} for r in rs]
                         for (b, t), rs in runs.items()}}
-        Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
+        write_result(args.out, doc, __file__)
         print(f"-> {args.out}")
     return 0
 
@@ -282,4 +286,4 @@ def to_markdown(rows) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

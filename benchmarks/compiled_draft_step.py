@@ -25,10 +25,11 @@ step eager / compiled: the reference draft 73.7 / 65.7 ms (0.891), int8 43.0 / 3
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
+
+from specstop.script_args import ScriptParser, positive_int, result_file, write_result
+from specstop.script_main import run_main
 
 
 def _time_steps(step, prefill, steps: int) -> tuple[float, list[int]]:
@@ -90,16 +91,16 @@ def measure(model, *, context: int, steps: int, repeats: int, vocab: int) -> dic
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     ap.add_argument("--model", choices=("draft", "target"), default="draft",
                     help="which model of the pair steps (target: the target as its own draft)")
     ap.add_argument("--quant", default="none", help="comma list of none, int8, int4 (weight-only linear layers)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--context", type=int, default=100, help="prefill tokens before the steps")
-    ap.add_argument("--steps", type=int, default=24, help="one-token steps per repeat")
-    ap.add_argument("--repeats", type=int, default=5, help="timed repeats of each way, alternating")
-    ap.add_argument("--json", default=None, help="write the measurements here")
+    ap.add_argument("--context", type=positive_int, default=100, help="prefill tokens before the steps")
+    ap.add_argument("--steps", type=positive_int, default=24, help="one-token steps per repeat")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed repeats of each way, alternating")
+    ap.add_argument("--json", type=result_file(__file__), default=None, help="write the measurements here")
     args = ap.parse_args(argv)
 
     import torch
@@ -132,10 +133,9 @@ def main(argv=None) -> int:
               f"{'yes' if m['same_tokens'] else 'no'}", flush=True)
         del model
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cpu": cpu_model_name(), "results": results}, f, indent=2)
+        write_result(args.json, {"args": vars(args), "cpu": cpu_model_name(), "results": results}, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

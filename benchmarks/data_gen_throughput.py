@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ import torch
 from specstop.data_gen.config import DataGenConfig
 from specstop.data_gen.responses import PreparedPrompt, generate_responses
 from specstop.data_gen.shard import BatchTables, label_batch
+from specstop.script_args import ScriptParser, positive_int, positive_int_list, result_file, write_result
+from specstop.script_main import run_main
 
 
 @dataclass
@@ -110,20 +111,20 @@ def time_labels(pair, prompts, cfg, bs, device, split) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="tiny", help="'tiny', a known pair name or a pair folder")
     ap.add_argument("--prompts", help="prompt file (JSONL); default: synthetic coding prompts")
     ap.add_argument("--template", default="field:prompt", help="template for --prompts (e.g. mbpp)")
-    ap.add_argument("--n", type=int, default=16, help="number of prompts")
-    ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--n", type=positive_int, default=16, help="number of prompts")
+    ap.add_argument("--batch-sizes", type=positive_int_list, default="1,8")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
     ap.add_argument("--random-init", action="store_true", help="random weights from the pair's configs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--variants", default="labels,+hidden,+rollouts,+mixing")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="run generate and every variant this many times, interleaved; report the fastest")
-    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--json", type=result_file(__file__), help="also write the results here")
     args = ap.parse_args(argv)
 
     pair = load_bench_pair(args.pair, random_init=args.random_init, device=args.device, dtype=args.dtype)
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     print(f"pair={pair.name} device={args.device} prompts={len(prompts)} max_new_tokens={args.max_new_tokens}"
           f" random_init={args.random_init}")
     print(f"{'batch':>5} {'variant':>10} {'seconds':>9} {'tokens':>7} {'tok/s':>9} {'x generate':>10}")
-    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+    for bs in args.batch_sizes:
         for c, _ in variants.values():
             c.generation.batch_size = bs
         base.generation.batch_size = bs
@@ -176,10 +177,9 @@ def main(argv=None) -> int:
             print(f"{bs:>5} {v:>10} {t:>9.2f} {n:>7} {n / t:>9.1f} {ratio:>10.2f}")
         sys.stdout.flush()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows}, f, indent=2)
+        write_result(args.json, {"args": vars(args), "results": rows}, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

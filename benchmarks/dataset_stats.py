@@ -15,6 +15,9 @@ import json
 
 import numpy as np
 
+from specstop.script_args import ScriptParser, existing_dir
+from specstop.script_main import run_main
+
 
 def dataset_stats(data_dir: str) -> dict:
     from specstop.data_gen.storage import load_arrays, read_manifest
@@ -41,12 +44,12 @@ def dataset_stats(data_dir: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("data_dir", help="a folder written by `specstop generate`")
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("data_dir", type=existing_dir, help="a folder written by `specstop generate`")
     args = ap.parse_args(argv)
     print(json.dumps(dataset_stats(args.data_dir), indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, __file__)

@@ -24,11 +24,13 @@ avoids float32 where bf16 is faster, and the cost table check refuses a table th
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 import torch
+
+from specstop.script_args import ScriptParser, positive_int, positive_int_list
+from specstop.script_main import run_main
 
 
 def cpu_line() -> str:
@@ -54,11 +56,11 @@ def variants(w32: torch.Tensor):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--rows", default="1,2,3,4,8,9,16,17")
+    ap = ScriptParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=positive_int, default=7)
+    ap.add_argument("--rows", type=positive_int_list, default="1,2,3,4,8,9,16,17")
     args = ap.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8960, 1536, generator=g) * 0.02
     xs = {m: torch.randn(m, 1536, generator=g) for m in rows}
@@ -94,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, __file__)

@@ -30,6 +30,9 @@ import random
 import subprocess
 import sys
 
+from specstop.script_args import ScriptParser, positive_int, positive_int_list, result_file, write_result
+from specstop.script_main import run_main
+
 
 def machine_facts() -> dict:
     """What this process runs on: CPU MHz (first core), CPU affinity, anonymous huge pages in use."""
@@ -59,7 +62,7 @@ def measure(args) -> dict:
     pair = load_named_pair(args.pair, dtype=args.dtype, device="cpu")
     dtype = next(pair.target.parameters()).dtype
     routes = [r for r in (args.routes.split(",") if args.routes else ROUTES) if route_applies(r, dtype)]
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     context = torch.randint(100, pair.vocab_size, (args.context + max(rows),),
                             generator=torch.Generator().manual_seed(0)).tolist()
     out: dict[str, list[float]] = {}
@@ -105,24 +108,22 @@ def summarize(results: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--processes", type=int, default=3, help="fresh processes, one after another")
-    ap.add_argument("--reps", type=int, default=10, help="timed forwards per route, row count and process")
-    ap.add_argument("--rows", default="1,2,9", help="comma list of rows per forward")
+    ap.add_argument("--processes", type=positive_int, default=3, help="fresh processes, one after another")
+    ap.add_argument("--reps", type=positive_int, default=10, help="timed forwards per route, row count and process")
+    ap.add_argument("--rows", type=positive_int_list, default="1,2,9", help="comma list of rows per forward")
     ap.add_argument("--routes", default=None, help="comma list of routes (default: every route that applies)")
-    ap.add_argument("--context", type=int, default=256, help="tokens of KV cache before each forward")
-    ap.add_argument("--out", default=None, help="write every process's figures here (JSON)")
+    ap.add_argument("--context", type=positive_int, default=256, help="tokens of KV cache before each forward")
+    ap.add_argument("--out", type=result_file(__file__), default=None, help="write every process's figures here (JSON)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measuring process
     args = ap.parse_args(argv)
-    if args.processes < 1 or args.reps < 1 or args.context < 1:
-        ap.error("--processes, --reps and --context must be >= 1")
     if args.child:
         print(json.dumps(measure(args)))
         return 0
     base = [sys.executable, __file__, "--pair", args.pair, "--dtype", args.dtype, "--reps", str(args.reps),
-            "--rows", args.rows, "--context", str(args.context), "--child"]
+            "--rows", ",".join(map(str, args.rows)), "--context", str(args.context), "--child"]
     if args.routes:
         base += ["--routes", args.routes]
     results = []
@@ -143,12 +144,10 @@ def main(argv=None) -> int:
     for line in summarize(results):
         print("  " + line)
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).write_text(json.dumps({"args": vars(args), "processes": results}, indent=1) + "\n")
+        write_result(args.out, {"args": vars(args), "processes": results}, __file__, indent=1)
         print(f"figures: {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

@@ -27,7 +27,6 @@ package.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,18 @@ from specstop.decode.pearl_spec import available_cores
 from specstop.errors import UserError
 from specstop.export.engines import LLAMACPP_DRAFT_TYPE
 from specstop.measure.llamacpp_cost import LlamaServer, decode_phase, find_server
+from specstop.script_args import (
+    ScriptParser,
+    executable,
+    existing_dir,
+    existing_file,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    result_file,
+    write_result,
+)
+from specstop.script_main import run_main
 
 # "default" = the draft model with llama.cpp's own draft settings: only the flag that turns draft-model
 # speculation on (current builds load -md but draft nothing without --spec-type; their defaults are
@@ -68,9 +79,13 @@ def ensure_gguf(pair: str, gguf_dir: Path) -> tuple[Path, Path]:
 def settings_options(settings_path: Path, options: str | None) -> tuple[dict[str, dict], dict]:
     """({option: {"flags", "predicted"}}, the file's header) from a `specstop export --for llamacpp` file;
     ``options``: a comma list of option names, None = every option in the file."""
-    settings = json.loads(settings_path.read_text())
-    if settings.get("engine") != "llamacpp":
-        raise SystemExit(f"{settings_path} is not a llama.cpp settings file (engine={settings.get('engine')!r})")
+    from specstop.jsonio import read_json
+
+    settings = read_json(settings_path, "llama.cpp settings file (specstop export --for llamacpp)")
+    if not isinstance(settings, dict) or settings.get("engine") != "llamacpp" or not isinstance(settings.get("options"), dict):
+        engine = settings.get("engine") if isinstance(settings, dict) else None
+        raise SystemExit(f"{settings_path} is not a llama.cpp settings file (engine={engine!r}); "
+                         "write one with `specstop export --for llamacpp`")
     names = [n.strip() for n in options.split(",") if n.strip()] if options else list(settings["options"])
     missing = [n for n in names if n not in settings["options"]]
     if missing:
@@ -148,34 +163,36 @@ def first_differences(target: LlamaServer, prompts: list[list[int]], outputs: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", help="specstop dataset whose held-out prompts are used (the replay's own)")
+    src.add_argument("--data", type=existing_dir, help="specstop dataset whose held-out prompts are used (the replay's own)")
     src.add_argument("--prompts", help="or a prompt source (e.g. builtin:mbpp) rendered with the pair's tokenizer")
     ap.add_argument("--template", default="mbpp", help="with --prompts: the template")
     ap.add_argument("--split-scheme", default="mbpp", help="with --prompts: the split scheme")
     ap.add_argument("--split", default="test")
-    ap.add_argument("--limit", type=int, default=None, help="first N prompts of the split")
-    ap.add_argument("--settings", required=True, help="llamacpp.json written by `specstop export --for llamacpp`")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N prompts of the split")
+    ap.add_argument("--settings", required=True, type=existing_file, help="llamacpp.json written by `specstop export --for llamacpp`")
     ap.add_argument("--options", default=None,
                     help="comma list of the settings' options to run (default: every option in the file)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b-1.5b")
     ap.add_argument("--gguf-dir", default=os.environ.get("SPECSTOP_GGUF_DIR", "gguf"),
                     help="folder holding (or receiving) the pair's GGUF files")
-    ap.add_argument("--draft-gguf", default=None, help="with --target-gguf: these GGUF files instead of --pair's")
-    ap.add_argument("--target-gguf", default=None, help="with --draft-gguf: these GGUF files instead of --pair's")
-    ap.add_argument("--server", default=None, help="llama-server binary")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (interleaved)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed requests per configuration first")
-    ap.add_argument("--threads", type=int, default=len(available_cores()), help="llama.cpp's threads")
-    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--draft-gguf", type=existing_file, default=None,
+                    help="with --target-gguf: these GGUF files instead of --pair's")
+    ap.add_argument("--target-gguf", type=existing_file, default=None,
+                    help="with --draft-gguf: these GGUF files instead of --pair's")
+    ap.add_argument("--server", type=executable, default=None, help="llama-server binary")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed passes over the prompts (interleaved)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed requests per configuration first")
+    ap.add_argument("--threads", type=positive_int, default=len(available_cores()), help="llama.cpp's threads")
+    ap.add_argument("--ctx", type=positive_int, default=4096)
     ap.add_argument("--nice", type=int, default=0, help="run the servers under nice -n N (shared machines)")
     ap.add_argument("--no-default", action="store_true", help="skip llama.cpp's default draft settings")
     ap.add_argument("--default-flags", default=DEFAULT_FLAGS,
                     help="flags of the 'default' configuration (enable draft-model speculation, nothing tuned)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
-    ap.add_argument("--out", default=None, help="write the measurements as JSON")
+    ap.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds per request")
+    ap.add_argument("--out", type=result_file(__file__), default=None, help="write the measurements as JSON")
     args = ap.parse_args(argv)
 
     try:
@@ -267,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"differs from the target alone: {d['configuration']} prompt {d['prompt']} from token {d['token']} "
               f"(the target's top-2 logit gap there: {gap})")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

@@ -26,12 +26,21 @@ Example (the reference pair, a dataset's training prompts; then the best pair on
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from online_speedup import add_prompt_flags, dataset_prompts, quantized_pairs, self_drafts, text_prompts  # noqa: E402
+
+from specstop.script_args import (  # noqa: E402
+    ScriptParser,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    result_dir,
+    write_result,
+)
+from specstop.script_main import run_main  # noqa: E402
 
 #: Block sizes timed per level past the table's dense start (the cost reads linearly between them).
 SPARSE_ROWS = (10, 12, 16, 22)
@@ -71,23 +80,25 @@ def to_markdown(ranked: list[dict], cost, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     add_prompt_flags(ap, data_help="a specstop dataset: tune on its --split prompts (rendered ids)", split="train",
                      limit=12, limit_help="prompts to tune on")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the dataset's, else 48")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the dataset's, else 48")
     ap.add_argument("--quant", default="int4", metavar="SCHEME", help="scheme of both lower levels (default int4)")
     ap.add_argument("--bottom", default="static:1,static:2,static:3,confidence:0.5,confidence:0.7",
                     help="rules of the bottom draft drafting for the middle model (comma list)")
     ap.add_argument("--top", default="static:4,static:6,static:8,confidence:0.4,confidence:0.6",
                     help="rules of the middle model drafting for the target (comma list)")
-    ap.add_argument("--budget-s", type=float, default=90.0, help="seconds of forward timing (default 90)")
+    ap.add_argument("--budget-s", type=nonnegative_float, default=90.0,
+                    help="seconds of forward timing (default 90; 0: the fewest rounds)")
     ap.add_argument("--time-only", action="store_true",
                     help="only time the forwards (level_cost.json): a fresh timing for an online run, no tuning")
-    ap.add_argument("--show", type=int, default=10, help="combinations to print (default 10)")
+    ap.add_argument("--show", type=nonnegative_int, default=10, help="combinations to print (default 10)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--out", required=True, help="folder for level_cost.json, records.json and tuned.json")
+    ap.add_argument("--out", required=True, type=result_dir(__file__, "tuned.json"),
+                    help="folder for level_cost.json, records.json and tuned.json (created when the timing is done)")
     args = ap.parse_args(argv)
 
     from specstop.decode.chain import eos_token_ids
@@ -107,7 +118,6 @@ def main(argv=None) -> int:
     if scheme is None:
         raise SystemExit("--quant: give int8 or int4 (the lower levels are quantized copies)")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     pair = load_named_pair(args.pair, dtype=args.dtype, device=args.device)
     if args.data:
         prompts, max_new, names = dataset_prompts(args.data, args.split, args.limit)
@@ -122,6 +132,7 @@ def main(argv=None) -> int:
     rows = [[1, 2, 3], row_grid(rule_caps(grids[0]) + 2), row_grid(rule_caps(grids[1]) + 2)]
     cost = time_levels(models, level_names, context, rows, vocab_size=pair.vocab_size, budget_s=args.budget_s,
                        machine=machine_record(pair, len(context)))
+    out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails before leaves no empty folder
     cost.save(out / "level_cost.json")
     if args.time_only:
         print(to_markdown([], cost, 0))
@@ -134,7 +145,7 @@ def main(argv=None) -> int:
     ranked = tune_levels(records, grids, cost)
     doc = {"pair": pair.name, "levels": level_names, "quant": scheme, "prompts": names, "max_new_tokens": max_new,
            "best": ranked[0]["policies"], "ranked": ranked, "machine": cost.machine}
-    (out / "tuned.json").write_text(json.dumps(doc, indent=2))
+    write_result(out / "tuned.json", doc, __file__)
     print(f"\n{len(combos)} combinations on {len(records)} prompts x {max_new} tokens; {cost.machine.get('cpu')}, "
           f"{cost.machine.get('dtype')}, forwards timed in {cost.machine['rounds']} rounds")
     print(to_markdown(ranked, cost, args.show))
@@ -143,4 +154,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

@@ -72,8 +72,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from specstop.script_args import (
+    ScriptParser,
+    existing_dir,
+    existing_file,
+    existing_path,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    result_file,
+    unit_interval,
+    write_result,
+)
+from specstop.script_main import run_main
 
 
 def quantized_pairs(pair, schemes: str) -> list[tuple[str, object]]:
@@ -223,12 +236,12 @@ def dataset_prompts(data: str, split: str, limit: int | None) -> tuple[list[list
 def add_prompt_flags(ap: argparse.ArgumentParser, *, data_help: str, split: str, limit: int, limit_help: str) -> None:
     """The prompt flags :func:`dataset_prompts` and :func:`text_prompts` read: --data / --split, or --prompt,
     --prompts and --field; --limit."""
-    ap.add_argument("--data", help=data_help)
+    ap.add_argument("--data", type=existing_dir, help=data_help)
     ap.add_argument("--split", default=split)
     ap.add_argument("--prompt", action="append", help="a prompt text (repeatable; without --data)")
-    ap.add_argument("--prompts", help="prompts file: .jsonl records or .txt lines (without --data)")
+    ap.add_argument("--prompts", type=existing_file, help="prompts file: .jsonl records or .txt lines (without --data)")
     ap.add_argument("--field", default="prompt_text", help="record field holding the text")
-    ap.add_argument("--limit", type=int, default=limit, help=f"{limit_help} (default {limit})")
+    ap.add_argument("--limit", type=nonnegative_int, default=limit, help=f"{limit_help} (default {limit}; 0: all)")
 
 
 def text_prompts(args, tokenizer) -> list[list[int]]:
@@ -392,12 +405,12 @@ def _fmt(x) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     add_prompt_flags(ap, data_help="a specstop dataset: decode its --split prompts (rendered ids) at its max_new_tokens",
                      split="test", limit=8, limit_help="prompts to use")
     ap.add_argument("--policy", action="append", default=None, help="our decoder's policies (repeatable)")
-    ap.add_argument("--tuned", help="tuned.json (for --policy tuned:NAME)")
+    ap.add_argument("--tuned", type=existing_file, help="tuned.json (for --policy tuned:NAME)")
     ap.add_argument("--pearl-stop", action="append", default=None, metavar="POLICY",
                     help="also run each --policy pearl[:G] with its windows ended early by this stopping policy "
                     "(confidence:T, static:K, an export folder or tuned:NAME; repeatable)")
@@ -408,9 +421,9 @@ def main(argv=None) -> int:
                     help="also HF's defaults and the target alone on a second copy of the pair loaded with plain "
                     "from_pretrained, without specstop's fast paths (what stock transformers users get)")
     ap.add_argument("--hf-policies", action="store_true", help="HF assisted generation driven by each --policy")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None,
                     help="default: the dataset's (--data; at most that, so the replay of the same prompts applies), else 64")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default=None)
     ap.add_argument("--static-cache", action="store_true", help="our decoder with a static KV cache")
@@ -421,9 +434,9 @@ def main(argv=None) -> int:
                     "--quant-cost int4+compiled=COST (calibrate-cost --compile-draft) prices them")
     ap.add_argument("--reference", help="one of the --policy values every other is also compared with, paired per "
                     "prompt (default: tuned:static_opt when given)")
-    ap.add_argument("--replay-report", help="eval report.json with the replay's predicted speedups")
+    ap.add_argument("--replay-report", type=existing_file, help="eval report.json with the replay's predicted speedups")
     ap.add_argument("--cost", help="cost model (cost.json from `specstop calibrate-cost`, or a preset)")
-    ap.add_argument("--node-head", metavar="CKPT",
+    ap.add_argument("--node-head", type=existing_path, metavar="CKPT",
                     help="a tree_node_mlp checkpoint: every dynamic tree policy (tree:N) also runs grown by it")
     ap.add_argument("--draft-quant", default="", metavar="SCHEMES",
                     help="comma list of int8,int4: every rule --policy also with the draft quantized so")
@@ -445,15 +458,15 @@ def main(argv=None) -> int:
     ap.add_argument("--retime", action="store_true",
                     help="time the target's verification and every priced draft's step between prompts (at --data's "
                     "decoding context) and price the predictions with those timings too, beside the calibrations'")
-    ap.add_argument("--multi-level-cost", metavar="FILE",
+    ap.add_argument("--multi-level-cost", type=existing_file, metavar="FILE",
                     help="level_cost.json of benchmarks/multi_level.py: the run records the stack's tokens on its "
                     "prompts and predicts each --multi-level run by its exact replay priced with it (greedy)")
-    ap.add_argument("--temperature", type=float, default=None,
+    ap.add_argument("--temperature", type=nonnegative_float, default=None,
                     help="sampling temperature (0 = greedy); default: --data's, else greedy")
-    ap.add_argument("--top-k", type=int, default=None, help="top-k under sampling (0 = off); default: --data's")
-    ap.add_argument("--top-p", type=float, default=None, help="top-p under sampling (1 = off); default: --data's")
-    ap.add_argument("--flip-epsilon", type=float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
-    ap.add_argument("--out", help="write the summary (and every run) as JSON here")
+    ap.add_argument("--top-k", type=nonnegative_int, default=None, help="top-k under sampling (0 = off); default: --data's")
+    ap.add_argument("--top-p", type=unit_interval, default=None, help="top-p under sampling (1 = off); default: --data's")
+    ap.add_argument("--flip-epsilon", type=nonnegative_float, default=0.5, help="top-2 logit gap below which a flip is a near-tie")
+    ap.add_argument("--out", type=result_file(__file__), help="write the summary (and every run) as JSON here")
     args = ap.parse_args(argv)
 
     import dataclasses
@@ -693,9 +706,9 @@ def main(argv=None) -> int:
                "calibrated_summary": calibrated,
                "decoding": dataclasses.asdict(decoding), "summary": summary, "levels": levels,
                "runs": {m: [[r.__dict__ for r in rs] for rs in runs] for m, runs in meas.runs.items()}}
-        Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
+        write_result(args.out, doc, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

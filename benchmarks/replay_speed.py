@@ -9,7 +9,6 @@ and, for scale, the step-by-step reference replay on a 1% subset.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from specstop.eval.cost import PRESETS
@@ -18,14 +17,18 @@ from specstop.eval.segments import build_layout, sweep
 from specstop.eval.synthetic import random_replay_data
 from specstop.eval.tune import tune_static, tune_threshold
 from specstop.policy import PolicySpec
+from specstop.script_args import ScriptParser, positive_int, unit_interval
+from specstop.script_main import run_main
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=1_000_000)
-    ap.add_argument("--tokens-per-prompt", type=int, default=500)
-    ap.add_argument("--match-rate", type=float, default=0.75)
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=positive_int, default=1_000_000)
+    ap.add_argument("--tokens-per-prompt", type=positive_int, default=500)
+    ap.add_argument("--match-rate", type=unit_interval, default=0.75)
     args = ap.parse_args()
+    if args.tokens < args.tokens_per_prompt:
+        ap.error(f"--tokens {args.tokens} is less than one prompt (--tokens-per-prompt {args.tokens_per_prompt})")
     n_prompts = args.tokens // args.tokens_per_prompt
     t0 = time.perf_counter()
     data = random_replay_data(
@@ -81,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, __file__)

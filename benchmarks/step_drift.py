@@ -25,6 +25,9 @@ import subprocess
 import sys
 import time
 
+from specstop.script_args import ScriptParser, positive_int, positive_int_list
+from specstop.script_main import run_main
+
 
 def measure(args) -> dict:
     """This process's medians: ``{rows: seconds}`` for one step of that many rows."""
@@ -37,7 +40,7 @@ def measure(args) -> dict:
     target = pair.target
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, pair.vocab_size, (1, args.context), generator=gen)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     times: dict[int, list[float]] = {r: [] for r in rows}
     with torch.no_grad():
         for _ in range(args.reps + 1):  # the first round warms up
@@ -52,20 +55,20 @@ def measure(args) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True, help="known pair name or folder with draft/ and target/")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--processes", type=int, default=4, help="fresh processes, one after another")
-    ap.add_argument("--reps", type=int, default=12, help="timed steps per row count and process")
-    ap.add_argument("--rows", default="1,2,3", help="comma list of rows per step")
-    ap.add_argument("--context", type=int, default=108, help="prefill tokens before each step")
+    ap.add_argument("--processes", type=positive_int, default=4, help="fresh processes, one after another")
+    ap.add_argument("--reps", type=positive_int, default=12, help="timed steps per row count and process")
+    ap.add_argument("--rows", type=positive_int_list, default="1,2,3", help="comma list of rows per step")
+    ap.add_argument("--context", type=positive_int, default=108, help="prefill tokens before each step")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measuring process
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args)))
         return 0
     base = [sys.executable, __file__, "--pair", args.pair, "--dtype", args.dtype, "--reps", str(args.reps),
-            "--rows", args.rows, "--context", str(args.context), "--child"]
+            "--rows", ",".join(map(str, args.rows)), "--context", str(args.context), "--child"]
     results = []
     for i in range(args.processes):
         done = subprocess.run(base, capture_output=True, text=True, check=False)
@@ -86,4 +89,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

@@ -40,8 +40,6 @@ Writes ``ceiling.json`` and ``ceiling.png`` under ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 
@@ -49,13 +47,14 @@ import numpy as np
 from stopping_headroom import auroc
 
 from specstop.data_gen.readback import load_split_tensors
-from specstop.errors import UserError
 from specstop.eval.cost import load_cost_model
 from specstop.eval.episodes import load_replay_data
 from specstop.eval.replay import replay
 from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
 from specstop.eval.tune import check_sl_max, max_sl_supported
 from specstop.policy import PolicySpec, RoundPolicy
+from specstop.script_args import ScriptParser, existing_dir, positive_int, result_dir, write_result
+from specstop.script_main import run_main
 
 RUN_CAP = 16  # longer match runs carry no extra signal and would dominate the scale
 TOP1 = "top1"
@@ -217,16 +216,16 @@ def plot(info: dict, shapes: dict, static: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="greedy dataset with train / validation / test splits")
-    ap.add_argument("--transfer", help="a second dataset whose test split is a transfer set (e.g. HumanEval)")
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, type=existing_dir, help="greedy dataset with train / validation / test splits")
+    ap.add_argument("--transfer", type=existing_dir, help="a second dataset whose test split is a transfer set (e.g. HumanEval)")
     ap.add_argument("--cost", required=True, help="calibrated cost.json (specstop calibrate-cost)")
     ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=PATH")
-    ap.add_argument("--sl-max", type=int, nargs="+", default=[8, 12, 16])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--sl-max", type=positive_int, nargs="+", default=[8, 12, 16])
+    ap.add_argument("--out", required=True, type=result_dir(__file__, "ceiling.json"),
+                    help="folder for ceiling.json and ceiling.png (created when they are written)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     heldout = {"test": (args.data, "test")}
     if args.transfer:
         heldout["transfer"] = (args.transfer, "test")
@@ -256,14 +255,11 @@ def main(argv=None) -> int:
     shapes = rule_shapes(datasets, [TOP1, *checkpoints], cost, args.sl_max)
     result = {"data": args.data, "transfer": args.transfer, "cost": args.cost, "checkpoints": checkpoints,
               "feature_information": info, "static_opt": static, "rule_shapes": shapes}
-    (out / "ceiling.json").write_text(json.dumps(result, indent=2))
+    write_result(out / "ceiling.json", result, __file__)
     plot(info, shapes, static, out / "ceiling.png")
     print(f"wrote {out / 'ceiling.json'} and {out / 'ceiling.png'}")
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except UserError as err:  # bad input: one line, like the CLI
-        raise SystemExit(f"stopping_ceiling: error: {err}") from None
+    run_main(main, __file__)

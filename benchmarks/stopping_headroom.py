@@ -22,11 +22,12 @@ Writes ``headroom.json`` and ``roc.png`` under ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
+
+from specstop.script_args import ScriptParser, existing_dir, existing_file, result_dir, write_result
+from specstop.script_main import run_main
 
 POSITION_BUCKETS = ((0, 16), (16, 64), (64, 10**9))
 
@@ -102,13 +103,15 @@ def main(argv=None) -> int:
     from specstop.eval.episodes import load_replay_data
     from specstop.eval.report import aligned_scores
     from specstop.eval.scoring import parse_checkpoint_args, score_checkpoints
+    from specstop.jsonio import read_json
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True, help="dataset folder (greedy)")
+    ap = ScriptParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, type=existing_dir, help="dataset folder (greedy)")
     ap.add_argument("--split", default="test")
     ap.add_argument("--checkpoint", action="append", default=[], help="NAME=PATH, repeatable")
-    ap.add_argument("--report", help="report.json of `specstop eval` on the same split (latency split)")
-    ap.add_argument("--out", required=True, help="folder for headroom.json and roc.png")
+    ap.add_argument("--report", type=existing_file, help="report.json of `specstop eval` on the same split (latency split)")
+    ap.add_argument("--out", required=True, type=result_dir(__file__, "headroom.json"),
+                    help="folder for headroom.json and roc.png (created when they are written)")
     args = ap.parse_args(argv)
 
     data = load_replay_data(args.data, args.split)
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     result = {"data": args.data, "split": args.split, "rows": int(len(labels)), "match_rate": float(labels.mean()),
               "scores": table, "mismatches_with_top1_above_0.9": confident_wrong, "skipped": skipped}
     if args.report:
-        report = json.loads(Path(args.report).read_text())
+        report = read_json(args.report, "report.json of `specstop eval`")
         split = latency_split(report)
         result["latency_split"] = split
         print(f"\n{'policy':<58}{'latency':>9}{'draft':>8}{'target':>8}{'draft share':>12}")
@@ -149,11 +152,11 @@ def main(argv=None) -> int:
                   f"{row['target_s_per_token']:>8.4f}{row['draft_share']:>12.1%}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "headroom.json").write_text(json.dumps(result, indent=1))
+    write_result(out / "headroom.json", result, __file__, indent=1)
     plot_roc({k: (v, labels) for k, v in scores.items()}, out / "roc.png")
     print(f"wrote {out / 'headroom.json'} and {out / 'roc.png'}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, __file__)

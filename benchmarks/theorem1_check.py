@@ -15,11 +15,20 @@ difference per run with a 95% interval (runs are independent).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
 import torch
+
+from specstop.script_args import (
+    ScriptParser,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+    result_file,
+    write_result,
+)
+from specstop.script_main import run_main
 
 
 def proposed_positions(round_lengths: list[int], accepted: list[int]) -> list[int]:
@@ -36,17 +45,17 @@ def proposed_positions(round_lengths: list[int], accepted: list[int]) -> list[in
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", required=True)
     ap.add_argument("--prompts", default="builtin:alpaca")
     ap.add_argument("--template", default="alpaca")
-    ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--seeds", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--limit", type=positive_int, default=8)
+    ap.add_argument("--seeds", type=positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=24)
+    ap.add_argument("--temperature", type=nonnegative_float, default=1.0)
+    ap.add_argument("--top-k", type=nonnegative_int, default=0)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=result_file(__file__), default=None)
     args = ap.parse_args(argv)
 
     from specstop.decode.chain import SpeculativeDecoder
@@ -88,11 +97,10 @@ def main(argv=None) -> int:
           f"[{mean - half:+.3f}, {mean + half:+.3f}] (95%); "
           f"{'consistent with' if abs(mean) <= half else 'NOT consistent with'} Theorem 1")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "runs": rows, "mean_difference": mean, "ci95": half,
-                       "mean_rejections": rej_mean, "mean_sum_tv": tv_mean}, f, indent=2)
+        write_result(args.out, {"args": vars(args), "runs": rows, "mean_difference": mean, "ci95": half,
+                                "mean_rejections": rej_mean, "mean_sum_tv": tv_mean}, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main, __file__)

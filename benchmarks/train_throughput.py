@@ -17,13 +17,14 @@ Loader and memory loops are timed interleaved, best of ``--repeats``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from specstop.script_args import ScriptParser, existing_dir, positive_int, result_file, write_result
+from specstop.script_main import run_main
 
 FAMILIES = {
     "disco_ffn": ({}, "accept_expected"),
@@ -133,18 +134,22 @@ def bench_family(family, cfg, label, data_dir, batch_size, epochs, device, repea
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=100_000, help="train rows of the synthetic dataset")
-    ap.add_argument("--hidden-size", type=int, default=896, help="hidden width of the synthetic dataset (Qwen2.5-0.5B: 896)")
-    ap.add_argument("--batch-size", type=int, default=4096)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--device", default="all", help="cpu, cuda, or all (cpu + cuda when available)")
-    ap.add_argument("--data", default=None, help="an existing dataset (default: write a synthetic one)")
+    ap = ScriptParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=positive_int, default=100_000, help="train rows of the synthetic dataset")
+    ap.add_argument("--hidden-size", type=positive_int, default=896, help="hidden width of the synthetic dataset (Qwen2.5-0.5B: 896)")
+    ap.add_argument("--batch-size", type=positive_int, default=4096)
+    ap.add_argument("--epochs", type=positive_int, default=2)
+    ap.add_argument("--device", default="all", choices=("cpu", "cuda", "all"),
+                    help="cpu, cuda, or all (cpu + cuda when available)")
+    ap.add_argument("--data", type=existing_dir, default=None, help="an existing dataset (default: write a synthetic one)")
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--repeats", type=int, default=3, help="best of N interleaved timings")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="best of N interleaved timings")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--json", type=result_file(__file__), default=None)
     args = ap.parse_args(argv)
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES]
+    if unknown:  # before the synthetic dataset is written, not after
+        ap.error(f"argument --families: {unknown[0]!r} is not a family; choose from {', '.join(FAMILIES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     data_dir = args.data
@@ -173,9 +178,9 @@ def main(argv=None) -> int:
                 f"{r['samples_per_s_lightning']:>12.0f} {r['loader_overhead']:>9.2f} {r['lightning_overhead']:>6.2f}"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_result(args.json, {"args": vars(args), "results": results}, __file__)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main, __file__)

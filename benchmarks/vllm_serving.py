@@ -235,7 +235,20 @@ def parse_schedule(text: str) -> list[list[int]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    from specstop.script_args import (
+        ScriptParser,
+        check_result_path,
+        existing_dir,
+        existing_path,
+        nonnegative_int,
+        positive_float,
+        positive_int,
+        python_executable,
+        result_file,
+        unit_interval,
+    )
+
+    p = ScriptParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("models")
     g.add_argument("--draft", help="draft model folder (or hub id)")
@@ -244,27 +257,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   "or a folder holding draft/ and target/")
     g.add_argument("--dtype", default="bfloat16", help="vLLM dtype of the target (the draft runs in it too)")
     g = p.add_argument_group("prompts and decoding")
-    g.add_argument("--prompts", type=int, default=8, help="number of held-out prompts (a multiple of the largest B)")
+    g.add_argument("--prompts", type=positive_int, default=8, help="number of held-out prompts (a multiple of the largest B)")
     g.add_argument("--prompt-source", default="builtin:mbpp", help="specstop prompt source")
     g.add_argument("--template", default="mbpp", help="prompt template")
     g.add_argument("--split-scheme", default="mbpp", help="split scheme (mbpp: MBPP's own task_id split)")
     g.add_argument("--split", default="test", help="the held-out split the prompts come from (its first N)")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (default: stop at EOS)")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {ALL_METHODS} (default: every method the inputs allow, "
                         "without specstop_heuristic); no_spec always runs")
     g.add_argument("--k-grid", default="1,2,3,4,6", help="static K of vLLM's draft model (draft_kK methods)")
-    g.add_argument("--engines", type=Path, default=None,
+    g.add_argument("--engines", type=existing_path, default=None,
                    help="a `specstop export --for vllm` folder: its batch_schedule, confidence_opt, learned and "
                         "heuristic_opt options (by name; the draft replaced by --draft), static_opt's K joins the grid")
     g.add_argument("--schedule", default=None, help="a batch schedule B:K,... for the schedule method (overrides --engines')")
-    g.add_argument("--confidence", type=float, default=0.4,
+    g.add_argument("--confidence", type=unit_interval, default=0.4,
                    help="specstop_confidence's tau (stop after a draft token whose probability is below it); "
                         "--engines' confidence_opt replaces it")
-    g.add_argument("--sl-max", type=int, default=8, help="specstop_confidence's cap on a draft (vLLM's num_speculative_tokens)")
-    g.add_argument("--policy", type=Path, default=None, help="a learned specstop export folder (specstop_learned)")
+    g.add_argument("--sl-max", type=positive_int, default=8, help="specstop_confidence's cap on a draft (vLLM's num_speculative_tokens)")
+    g.add_argument("--policy", type=existing_dir, default=None, help="a learned specstop export folder (specstop_learned)")
     g.add_argument("--draft-quant", default="none",
                    help="specstop proposer draft weights: a comma list of none, int8, int4 (one method per scheme, "
                         "named METHOD_int4 etc.; specstop.pair.quantize)")
@@ -273,18 +286,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(K = 0: no drafts at those B)")
     g = p.add_argument_group("timing")
     g.add_argument("--batch-sizes", default="1,2,4,8", help="B: concurrent requests per generate call")
-    g.add_argument("--passes", type=int, default=2, help="passes over the methods, the order rotated between them")
-    g.add_argument("--repeats", type=int, default=2, help="timed repeats per engine start (each over every B)")
-    g.add_argument("--warmup", type=int, default=1, help="warm-up rounds per engine start (each: one call per B)")
-    g.add_argument("--warmup-tokens", type=int, default=16, help="tokens per warm-up request")
+    g.add_argument("--passes", type=positive_int, default=2, help="passes over the methods, the order rotated between them")
+    g.add_argument("--repeats", type=positive_int, default=2, help="timed repeats per engine start (each over every B)")
+    g.add_argument("--warmup", type=nonnegative_int, default=1,
+                   help="warm-up rounds per engine start (each: one call per B)")
+    g.add_argument("--warmup-tokens", type=positive_int, default=16, help="tokens per warm-up request")
     g.add_argument("--process", choices=("engine", "pass"), default="engine",
                    help="engine: a fresh vLLM process per engine start; pass: one process runs a pass's engines "
                         "in turn (saves vLLM's import per engine; memory of an earlier engine may linger)")
     g = p.add_argument_group("engine")
-    g.add_argument("--vllm-python", default=None, help="the Python with vLLM (default: $SPECSTOP_VLLM_VENV/bin/python, "
+    g.add_argument("--vllm-python", type=python_executable, default=None, help="the Python with vLLM (default: $SPECSTOP_VLLM_VENV/bin/python, "
                                                        ".venv-vllm/bin/python, else this Python)")
-    g.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE (unless set in the environment)")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--kv-cache-gib", type=positive_float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE (unless set in the environment)")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="vLLM max_model_len (default: the longest prompt + max new tokens + the largest K, rounded up)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="an extra or overriding vllm.LLM argument (repeatable), e.g. enforce_eager=false")
@@ -293,11 +307,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds-scale run on a tiny random pair vLLM can serve (built in a temporary folder unless "
                         "--draft/--target are given): 2 prompts x 8 tokens, B = 1,2, one pass, one process; no_spec, K = 2, "
                         "a schedule (1:2,2:1), confidence (SL_max 4); flags given override these")
-    p.add_argument("--out", type=Path, default=Path("vllm_serving.json"),
-                   help="the JSON (the tables go to the same name with .md, logs to NAME_logs/)")
+    p.add_argument("--out", type=result_file(__file__), default=None,
+                   help="the JSON (default vllm_serving.json; the tables go to the same name with .md, logs to NAME_logs/)")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.out is None and not args.worker:  # the default is checked like a given path
+        args.out = str(check_result_path("vllm_serving.json", __file__))
+    for name in ("engines", "policy", "out"):  # checked as given; used as paths
+        if getattr(args, name) is not None:
+            setattr(args, name, Path(getattr(args, name)))
     if args.smoke:
         _smoke_defaults(args, argv)
     return args
@@ -847,13 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.worker[1]).write_text(json.dumps(worker(job)))
         return 0
     sizes = _parse_ints(args.batch_sizes, "--batch-sizes")
-    for name in ("prompts", "max_new_tokens", "passes", "repeats", "warmup_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        raise SystemExit("--warmup must be >= 0")
     out = args.out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.with_name(out.stem + "_logs")
     tmp_holder = tempfile.TemporaryDirectory(prefix="vllm_serving_")
     tmp = Path(tmp_holder.name)
@@ -988,9 +1001,11 @@ def main(argv: list[str] | None = None) -> int:
             r["outputs_identical"] = r["outputs"] == ref if ref is not None else None
             if r["outputs_identical"]:
                 del r["outputs"]
-        out.write_text(json.dumps(record, indent=1) + "\n")
-        md = out.with_suffix(".md")
-        md.write_text(markdown(record))
+        from specstop.outputs import atomic_write_text
+        from specstop.script_args import write_result
+
+        write_result(out, record, __file__, indent=1)
+        md = atomic_write_text(out.with_suffix(".md"), markdown(record))
         print(md.read_text())
         print(f"{PROGRESS} wrote {out} and {md} (logs: {logs}); {record['total_s']:.0f} s in all")
         return 1 if errors else 0
@@ -999,4 +1014,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specstop.script_main import run_main
+
+    run_main(main, __file__)

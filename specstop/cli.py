@@ -85,6 +85,25 @@ def one_line(err: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip()) or type(err).__name__
 
 
+def user_message(err: BaseException, command: str) -> str | None:
+    """The one-line message of an error the user can fix, else None (a bug: keep its traceback).
+
+    Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping our
+    constructors) is the user's to fix; a missing extra names its install line, and a full disk or a
+    read-only output met while writing is the machine's state, not a bug.
+
+    Args:
+        err: the raised exception.
+        command: what was running, e.g. ``"specstop train"`` (named by a missing extra's message).
+    """
+    from specstop.extras import missing_extra_message
+
+    user = find_user_error(err)
+    if user is not None:
+        return one_line(user)
+    return missing_extra_message(err, command) or _write_failure(err)
+
+
 def run_command(name: str, argv: list[str]) -> int:
     """Run one subcommand without any error handling (the pipeline runs stages through this).
 
@@ -129,14 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specstop {name}: {said}", file=sys.stderr)
         return 130
     except Exception as err:
-        # Only a UserError (or an error a library raised because of one, e.g. jsonargparse wrapping
-        # our constructors) is the user's to fix; anything else is a bug and keeps its traceback. A
-        # full disk or a read-only output met while writing is the machine's state, not a bug.
-        from specstop.extras import missing_extra_message
-
-        user = find_user_error(err)
-        message = one_line(user) if user is not None else (
-            missing_extra_message(err, f"specstop {name}") or _write_failure(err))
+        message = user_message(err, f"specstop {name}")
         if message is None or _debug(verbose):
             raise
         print(f"specstop {name}: error: {cap(message)} (SPECSTOP_DEBUG=1 shows a traceback)", file=sys.stderr)

@@ -169,8 +169,8 @@ def test_no_import_circle_but_the_model_registry():
 
 #: The house, bottom to top: a module imports only from its own layer or the ones before it.
 LAYERS = ["errors", "cache_prefix", "names", "paths", "log", "extras", "memory", "outputs", "config_io", "jsonio", "digest",
-          "config_cli", "cli_flags", "probs", "policy", "tree_policy", "distributed", "prompts", "pair", "data_gen",
-          "models", "train", "eval", "export", "decode", "measure", "pipeline", "testing", "cli"]
+          "config_cli", "cli_flags", "script_args", "probs", "policy", "tree_policy", "distributed", "prompts", "pair", "data_gen",
+          "models", "train", "eval", "export", "decode", "measure", "pipeline", "testing", "cli", "script_main"]
 #: Deliberate upward imports: the package version, the dispatcher that runs (and relaunches) a
 #: command, and the import path older exports' custom_generate/generate.py calls.
 UPWARD_OK = {"specstop", "specstop.cli", ("specstop.export.hf_assist", "specstop.decode.hf_assist")}
