@@ -156,6 +156,36 @@ def test_calibrate_cost_vllm_refuses_zero_engine_starts(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, engine", [
+    (["--engine-starts", "-1"], "vllm"),
+    (["--vllm-python", "/usr/bin/python3"], "vllm"),
+    (["--engine", "vllm", "--llama-server", "/bin/true"], "llamacpp"),
+    (["--engine", "llamacpp", "--engine-starts", "3"], "vllm"),
+])
+def test_calibrate_cost_refuses_one_engines_setting_given_with_another(flags, engine, tmp_path, capsys):
+    """A setting only one engine reads, given for another engine, is one line, not silently ignored."""
+    from specstop.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate-cost", "--draft", "d", "--target", "t", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flags[-2]} {flags[-1]} is a setting of --engine {engine}" in err[0], err
+    assert f"add --engine {engine} or drop {flags[-2]}" in err[0]
+    assert not out.exists()
+
+
+def test_calibrate_cost_vllm_names_a_missing_vllm_python(tmp_path, capsys):
+    """A --vllm-python that is not there is one line before any prompt or engine loads (was FileNotFoundError)."""
+    from specstop.cli import main
+
+    out, missing = tmp_path / "c.json", tmp_path / "no-venv" / "bin" / "python"
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", "d", "--target", "t", "--vllm-python", str(missing),
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--vllm-python {missing}: no such program" in err[0] and "make vllm-env" in err[0], err
+    assert not out.exists()
+
+
 def test_calibrate_cost_compile_draft_is_for_specstops_decoders(tmp_path, capsys):
     from specstop.cli import main
 

@@ -175,6 +175,9 @@ def test_dynamic_k_lookup_follows_vllms_rule():
     assert dynamic_k_lookup([[1, 2, 4], [5, 6, 9], [8, 8, 0]], 10, 6) == [0, 4, 4, 4, 4, 6, 6, 6, 0, 0, 0]
     with pytest.raises(UserError, match="starting at 1"):
         dynamic_k_lookup([[2, 4, 3]], 4, 6)
+    for schedule in ([[1, "many", 3]], [[1, 4]], [3]):  # not [lo, hi, K] triples of integers
+        with pytest.raises(UserError, match=r"list of \[lo, hi, K\]"):
+            dynamic_k_lookup(schedule, 4, 6)
 
 
 def test_settings_are_required(tiny_pair_dir):
@@ -184,6 +187,21 @@ def test_settings_are_required(tiny_pair_dir):
         SpecstopProposer(cfg)
     with pytest.raises(UserError, match="export folder"):
         SpecstopProposer(_config(tiny_pair_dir / "draft", {"kind": "predictor", "family": "disco_ffn"}))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("cost_sweep", ["a", 2]),  # was a ValueError from int()
+    ("cost_sweep", ["1", "2"]),  # was taken as [1, 2]
+    ("allow_draft_mismatch", "false"),  # was taken as true
+    ("live_pricing", "no"),  # was taken as on
+    ("draft", 3),
+])
+def test_settings_of_the_wrong_type_are_one_line_naming_them(tiny_pair_dir, key, value):
+    cfg = _config(tiny_pair_dir / "draft", {"kind": "confidence", "threshold": 0.5, "sl_max": 4})
+    cfg.additional_config["specstop"][key] = value
+    with pytest.raises(UserError, match=f"SpecstopProposer: config key 'specstop.{key}' must be") as err:
+        SpecstopProposer(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_a_quantized_draft_proposes_its_own_argmax_and_stays_lossless(tiny_pair_dir, loaded, exports, tmp_path):

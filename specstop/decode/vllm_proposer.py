@@ -103,7 +103,10 @@ def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[in
     The same rule as ``vllm/v1/spec_decode/dynamic/utils.py`` ``build_dynamic_sd_schedule_lookup``
     (reimplemented so this module needs no vLLM to test).
     """
-    ranges = sorted((int(lo), int(hi), int(k)) for lo, hi, k in schedule)
+    try:
+        ranges = sorted((int(lo), int(hi), int(k)) for lo, hi, k in schedule)
+    except (TypeError, ValueError):  # not triples of integers
+        ranges = []
     if not ranges or ranges[0][0] != 1:
         raise UserError("num_speculative_tokens_per_batch_size must be a non-empty list of [lo, hi, K] starting at 1")
     lookup = [0] * (max_batch_size + 1)
@@ -117,6 +120,22 @@ def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[in
                 break
         lookup[b] = min(k_max, last)
     return lookup
+
+
+def _setting(settings: dict, key: str, hint: Any, default: Any) -> Any:
+    """``settings[key]`` (else ``default``) checked against the type ``hint``: a setting of the wrong type
+    (``"false"`` for a flag, ``"2"`` in a list of K) is one line naming it, not a ValueError or a
+    string taken as true.
+
+    Raises:
+        UserError: naming the setting, its value and the type it takes.
+    """
+    from specstop.config_io import check_type
+
+    try:
+        return check_type(settings.get(key, default), hint, f"{SETTINGS_KEY}.{key}")
+    except UserError as err:
+        raise UserError(f"{PROPOSER_CLASS}: {err}") from None
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -159,12 +178,12 @@ class SpecstopProposer:
                 f"{PROPOSER_CLASS} needs additional_config={{'{SETTINGS_KEY}': {{'draft': DRAFT, 'policy': POLICY}}}} "
                 "(vllm serve: --additional-config); `specstop export --for vllm` writes it"
             )
-        self.draft = str(settings["draft"])
+        self.draft = str(_setting(settings, "draft", str | Path, None))
         from specstop.pair.quantize import check_scheme
 
         self.draft_quant = check_scheme(settings.get("draft_quant"))
-        sweep = settings.get(COST_SWEEP_KEY)
-        if sweep is not None and (not isinstance(sweep, list) or not sweep or any(int(k) < 0 for k in sweep)):
+        sweep = _setting(settings, COST_SWEEP_KEY, list[int] | None, None)
+        if sweep is not None and (not sweep or any(k < 0 for k in sweep)):
             raise UserError(f"{PROPOSER_CLASS}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
         #: Cost calibration (``specstop calibrate-cost --engine vllm``): every row drafts exactly
         #: ``sweep[step % len]`` tokens (the policy still runs, its stops ignored), so the engine's
@@ -177,9 +196,9 @@ class SpecstopProposer:
         self.max_slots = 2 * max_seqs + 2
         sched = getattr(spec_cfg, "num_speculative_tokens_per_batch_size", None)
         self.k_by_batch = dynamic_k_lookup(sched, max_seqs, self.k_max) if sched else None
-        self.policy = self._load_policy(settings["policy"], bool(settings.get("allow_draft_mismatch", False)))
+        self.policy = self._load_policy(settings["policy"], _setting(settings, "allow_draft_mismatch", bool, False))
         self.live = None
-        if settings.get("live_pricing", True) is not False and self.cost_sweep is None:
+        if _setting(settings, "live_pricing", bool, True) and self.cost_sweep is None:
             from specstop.decode.live_pricing import LivePricer
 
             table = settings.get("cost_model")

