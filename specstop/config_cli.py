@@ -258,6 +258,7 @@ class TypedCommand:
         self.leaves = leaf_settings(root)
         self._by_dotted = {leaf.dotted_flag: leaf for leaf in self.leaves}
         self._typed: dict[str, tuple[str, str]] = {}
+        self._section_flags: list[str] = []
         self._spellings: dict[str, tuple[_Leaf, bool | None, str | None]] = {}
         for leaf in _without_shared_spellings(self.leaves):
             self._declare(leaf)
@@ -409,6 +410,7 @@ class TypedCommand:
 
         merged: dict[str, Any] = {}
         out: list[str] = []
+        self._section_flags: list[str] = []
         i = 0
         while i < len(argv):
             arg = argv[i]
@@ -428,6 +430,7 @@ class TypedCommand:
                 raise UserError(f"{name} needs a value; see {self.prog} --help")
             text = inline if eq else argv[i + 1]
             i += 1 if eq else 2
+            self._section_flags.append(name)
             value = _yaml_value(name, text)
             if shape == "list":
                 if not isinstance(value, list) and not (value is None and _optional(leaf.hint)):
@@ -452,6 +455,13 @@ class TypedCommand:
                 node = node.setdefault(part, {})
             node[last] = value
         return out + [f"--{path}={json.dumps(value)}" for path, value in merged.items()]
+
+    @property
+    def section_flags(self) -> list[str]:
+        """The flags of the last :meth:`parse` that set mapping and list settings or keys inside them, as
+        spelt (``--data.generation.temperature``): a later check of those sections can say that their values
+        came from these flags as well as from the file."""
+        return list(dict.fromkeys(self._section_flags))
 
     def _default_of(self, path: str) -> Any:
         """A setting's default value (``path`` dotted through nested sections)."""

@@ -357,3 +357,16 @@ def test_a_stray_value_is_named_as_a_value_and_only_current_spellings_are_offere
         generate().parse(["--outt", "x"])
     with pytest.raises(UserError, match=r"^unknown flag --topkk \(did you mean --feature-topk\?\)"):
         generate().parse(["--topkk", "3"])
+
+
+def test_a_pipeline_section_value_from_a_flag_names_the_flag_with_the_file(tmp_path, capsys):
+    from specstop.cli import main
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("pair: p\ndata: {generation: {temperature: 0.7}}\n")
+    assert main(["pipeline", "--config", str(cfg), "--run-dir", str(tmp_path / "run"),
+                 "--data.generation.temperature", "hot"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"specstop pipeline: error: {cfg} with --data.generation.temperature: section data: "
+                           "config key 'generation.temperature' must be a number, got 'hot'"), line
+    assert not (tmp_path / "run").exists()

@@ -22,10 +22,13 @@ def command() -> TypedCommand:
 def main(argv: list[str]) -> int:
     from specstop.pipeline.run import run_pipeline
 
-    cfg, flags = command().parse(argv)
+    cmd = command()
+    cfg, flags = cmd.parse(argv)
     if not flags.config:
         raise UserError("no pipeline config: pass --config FILE (configs/pipelines/*.yaml)")
-    cfg.validate(flags.config)
+    # A section checked here may hold values from flags over the file: the message names both.
+    given = cmd.section_flags
+    cfg.validate(f"{flags.config} with {', '.join(given)}" if given else flags.config)
     summary = run_pipeline(cfg, force=flags.force)
     print()
     print("stages:")
