@@ -58,12 +58,29 @@ class DecodingConfig:
         check_decoding(self.temperature, self.top_k, self.top_p)  # NaN, inf and 1e308 included
 
     @classmethod
-    def from_generation(cls, generation: dict | None) -> DecodingConfig:
+    def from_generation(cls, generation: dict | None, where: str = "") -> DecodingConfig:
         """The setting a dataset manifest's ``generation`` record (or any ``{temperature, top_k, top_p}``
-        mapping) describes; missing or null values: greedy, no top-k, no top-p."""
+        mapping) describes; missing or null values: greedy, no top-k, no top-p.
+
+        The values are checked as written, before any conversion: ``"0.7"`` or ``[1]`` for a temperature and
+        ``2.5`` or ``"5"`` for a top-k are refused rather than parsed or truncated.
+
+        Args:
+            generation: the mapping (other keys, such as ``max_new_tokens``, are ignored).
+            where: what holds it (``config.json: by_decoding[1].decoding``), prefixed to an error.
+
+        Raises:
+            UserError: ``generation`` is not a mapping, or a value is not a valid setting; one line naming it.
+        """
+        from specstop.config_io import check_decoding, short
+
+        if generation is not None and not isinstance(generation, dict):
+            raise UserError(f"{where or 'decoding setting'} must be a mapping of temperature, top_k and top_p, "
+                            f"got {short(generation)}")
         g = {k: v for k, v in (generation or {}).items() if v is not None}
-        return cls(temperature=float(g.get("temperature", 0.0)), top_k=int(g.get("top_k", 0)),
-                   top_p=float(g.get("top_p", 1.0)))
+        t, k, p = g.get("temperature", 0.0), g.get("top_k", 0), g.get("top_p", 1.0)
+        check_decoding(t, k, p, prefix=f"{where}." if where else "")
+        return cls(temperature=float(t), top_k=int(k), top_p=float(p))
 
     @property
     def greedy(self) -> bool:

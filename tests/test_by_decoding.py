@@ -4,6 +4,7 @@ other temperatures, and every decoder's request setting picks the one it runs.""
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -57,7 +58,7 @@ def setup(tmp_path):
     return pair, tmp_path, tuned("greedy", greedy, 0.3, 12), tuned("hot", hot, 0.6, 4), tuned
 
 
-def test_an_export_carries_each_settings_thresholds_and_decoders_pick_by_the_request(setup):
+def test_an_export_carries_each_settings_thresholds_and_decoders_pick_by_the_request(setup, caplog):
     from specstop.decode.chain import SpeculativeDecoder
     from specstop.decode.hf_assist import decoding_from_generation_config
 
@@ -74,10 +75,10 @@ def test_an_export_carries_each_settings_thresholds_and_decoders_pick_by_the_req
     assert policy.configure(DecodingConfig()).spec.threshold == 0.3  # and back, per request
 
     for decoding, threshold in ((DecodingConfig(), 0.3), (DecodingConfig(temperature=1.0, top_p=0.9), 0.6)):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # each request runs numbers tuned at its temperature: nothing to warn
+        with caplog.at_level(logging.WARNING, logger="specstop"):
             dec = SpeculativeDecoder(pair, StoppingPolicy.from_pretrained(out, draft_identity=pair.draft_identity),
                                      decoding)
+        assert not caplog.records  # each request runs numbers tuned at its temperature: nothing to warn
         assert dec.policy.spec.threshold == threshold
         res = dec.generate([1, 2, 3], 6, seed=0)
         assert max(res.round_lengths) <= (12 if threshold == 0.3 else 4)
@@ -87,8 +88,12 @@ def test_an_export_carries_each_settings_thresholds_and_decoders_pick_by_the_req
     assert StoppingPolicy.from_pretrained(out).configure(hf).spec.threshold == 0.6  # HF's hook, a sampled request
 
     greedy_only = export_from_files(tmp / "greedy_only", tuned=greedy, policy="disco_ffn") and tmp / "greedy_only"
-    with pytest.warns(UserWarning, match="tuned on data made at temperature 0, decoding runs at 1: its thresholds"):
-        SpeculativeDecoder(pair, StoppingPolicy.from_pretrained(greedy_only), DecodingConfig(temperature=1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # specstop's one line, not a Python warning with file, line and source
+        with caplog.at_level(logging.WARNING, logger="specstop"):
+            SpeculativeDecoder(pair, StoppingPolicy.from_pretrained(greedy_only), DecodingConfig(temperature=1.0))
+    [line] = [r.getMessage() for r in caplog.records if "tuned on data made" in r.getMessage()]
+    assert "tuned on data made at temperature 0, decoding runs at 1: its thresholds" in line and "\n" not in line
 
     rules = export_from_files(tmp / "rules", tuned=greedy, policy="confidence_opt", also_tuned=[hot])
     assert [e["policy"]["kind"] for e in rules["by_decoding"]] == ["confidence", "confidence"]
@@ -133,3 +138,54 @@ def test_the_export_cli_prints_each_setting(setup, capsys):
                  "--out", str(tmp / "cli")]) == 0
     out = capsys.readouterr().out
     assert "at greedy: confidence:0.3 (SL_max 12)" in out and "at T=1: confidence:0.6 (SL_max 4)" in out
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("temperature", "hot", r"temperature must be a number, got 'hot' \(a string\)"),  # was a raw ValueError
+    ("temperature", [1.0], r"temperature must be a number, got \[1.0\] \(a list\)"),  # was a raw TypeError
+    ("temperature", True, r"temperature must be a number, got True"),
+    ("top_k", 2.5, r"top_k must be an integer >= 0 \(0 disables\), got 2.5"),  # was truncated to 2
+    ("top_k", "5", r"top_k must be an integer >= 0 \(0 disables\), got '5'"),  # was read as 5
+    ("top_p", 0, r"top_p must be > 0 and <= 1"),
+    ("temprature", 1.0, r"unknown key 'temprature'"),  # was read as greedy
+])
+def test_a_by_decoding_setting_that_is_not_valid_is_one_line_naming_it(setup, field, value, says):
+    _pair, tmp, greedy, hot, _ = setup
+    export_from_files(tmp / "e", tuned=greedy, policy="confidence_opt", also_tuned=[hot])
+    cfg = json.loads((tmp / "e" / "config.json").read_text())
+    cfg["by_decoding"][1]["decoding"][field] = value
+    (tmp / "e" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match=r"config.json: by_decoding\[1\].decoding[.:] ?" + says) as err:
+        StoppingPolicy.from_pretrained(tmp / "e")
+    assert "\n" not in str(err.value) and "re-export" in str(err.value)
+
+
+def test_the_one_decoding_rule_holds_for_every_reader():
+    for generation in ({"temperature": "0.7"}, {"top_k": 2.5}, {"top_k": "5"}, {"top_p": 1.5}, {"temperature": -1}):
+        with pytest.raises(UserError, match="must be"):
+            DecodingConfig.from_generation(generation)
+        with pytest.raises(UserError, match="must be"):
+            DecodingConfig(**{**GREEDY, **generation})
+    with pytest.raises(UserError, match=r"by_decoding\[0\].decoding must be a mapping"):
+        DecodingConfig.from_generation("greedy", "by_decoding[0].decoding")
+    assert DecodingConfig.from_generation({"temperature": 1, "top_k": None, "max_new_tokens": 8}) == DecodingConfig(1.0)
+
+
+@pytest.mark.parametrize("given", [{"temperature": 1.0}, "greedy", 0.7])
+def test_configure_given_anything_but_a_decoding_config_says_what_to_build(given):
+    policy = StoppingPolicy(PolicySpec(kind="confidence", threshold=0.5, sl_max=4))
+    with pytest.raises(UserError, match=r"configure takes a specstop.probs.DecodingConfig, got .*from_generation"):
+        policy.configure(given)  # was an AttributeError from deep inside
+    assert policy.configure(None, 64).vocab_size == 64  # None keeps the setting
+
+
+def test_pearls_label_names_the_entry_its_workers_run(setup):
+    from specstop.decode.pearl import PearlDecoder
+    from specstop.decode.pearl_spec import PearlSpec
+
+    pair, tmp, greedy, hot, _ = setup
+    export_from_files(tmp / "e", tuned=greedy, policy="confidence_opt", also_tuned=[hot])
+    workers = object()  # no worker starts: the label is settled on construction
+    sampled = PearlDecoder(pair, PearlSpec(3, stop=str(tmp / "e")), DecodingConfig(temperature=1.0), workers=workers)
+    assert sampled.label.endswith("@ T=1") and sampled.stop_policy.spec.threshold == 0.6
+    assert PearlDecoder(pair, PearlSpec(3, stop=str(tmp / "e")), workers=workers).label.endswith("@ greedy")

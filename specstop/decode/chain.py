@@ -215,11 +215,7 @@ class SpeculativeDecoder:
         from specstop.decode.live_pricing import LivePricer
 
         self.live = LivePricer.for_policy(policy, cost_model) if live_pricing else None
-        mismatch = policy.temperature_mismatch(self.decoding)
-        if mismatch:
-            import warnings
-
-            warnings.warn(mismatch, stacklevel=2)
+        policy.warn_temperature_mismatch(self.decoding)
 
     # ------------------------------------------------------------------ helpers
     def _pick(self, logits: torch.Tensor, probs: torch.Tensor | None, gen: torch.Generator | None) -> int:

@@ -53,7 +53,6 @@ time).
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +159,9 @@ class PearlDecoder:
         )
         is_folder = isinstance(stop, (str, Path)) and Path(stop).is_dir()
         self._stop_arg = str(Path(stop).resolve()) if is_folder else (str(stop) if isinstance(stop, Path) else stop)
-        mismatch = self.stop_policy.temperature_mismatch(self.decoding)
-        if mismatch:
-            warnings.warn(f"PEARL's stop {mismatch}", stacklevel=3)
+        # The label names the entry the draft's worker runs (it configures its own copy the same way).
+        self.stop_policy.configure(self.decoding, getattr(self.pair, "vocab_size", None))
+        self.stop_policy.warn_temperature_mismatch(self.decoding, "PEARL's stop")
 
     @property
     def label(self) -> str:

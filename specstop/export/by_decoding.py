@@ -28,12 +28,22 @@ from specstop.policy import PolicySpec
 from specstop.probs import DecodingConfig
 
 ENTRY_KEYS = frozenset({"decoding", "policy", "speedup", "source", "stats"})
+DECODING_KEYS = frozenset({"temperature", "top_k", "top_p"})
 
 
-def setting_of(decoding: Any) -> tuple[float, int, float]:
+def setting_of(decoding: Any, where: str = "") -> tuple[float, int, float]:
     """``(temperature, top_k, top_p)`` of a DecodingConfig or a ``{temperature, top_k, top_p}`` mapping
-    (missing or null values: greedy, no top-k, no top-p)."""
-    d = DecodingConfig.from_generation(decoding) if isinstance(decoding, dict) else decoding
+    (missing or null values: greedy, no top-k, no top-p).
+
+    Args:
+        decoding: the setting.
+        where: what holds it (``by_decoding[1].decoding``), named by an error.
+
+    Raises:
+        UserError: a value that is not a valid setting (:meth:`DecodingConfig.from_generation`: one rule for
+            every reader), or ``decoding`` is neither a mapping nor a DecodingConfig.
+    """
+    d = decoding if isinstance(decoding, DecodingConfig) else DecodingConfig.from_generation(decoding, where)
     return d.temperature, d.top_k, d.top_p
 
 
@@ -74,6 +84,15 @@ def check_entries(entries: Any, base: PolicySpec, where: str) -> list[tuple[dict
         at = f"{where}: by_decoding[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("decoding"), dict):
             raise UserError(f"{at} must be a mapping with a 'decoding' setting; re-export the policy")
+        # A misspelt key would otherwise read as its default (greedy, no cut) and serve the wrong requests.
+        odd = sorted(str(k) for k in entry["decoding"] if k not in DECODING_KEYS)
+        if odd:
+            raise UserError(f"{at}.decoding: unknown key {odd[0]!r} (valid: {', '.join(sorted(DECODING_KEYS))}); "
+                            "re-export the policy")
+        try:
+            key = setting_of(entry["decoding"], f"{at}.decoding")
+        except UserError as err:
+            raise UserError(f"{err}; re-export the policy") from None
         unknown = sorted(str(k) for k in entry if k not in ENTRY_KEYS)
         if unknown:
             raise UserError(f"{at}: unknown key {unknown[0]!r} (valid: {', '.join(sorted(ENTRY_KEYS))}); re-export it")
@@ -84,7 +103,6 @@ def check_entries(entries: Any, base: PolicySpec, where: str) -> list[tuple[dict
         if (spec.kind, spec.family, spec.reads) != (base.kind, base.family, base.reads):
             raise UserError(f"{at}: a {spec.label} policy beside the export's {base.label}: every setting must be "
                             "the same kind of policy (the same predictor); re-export it")
-        key = setting_of(entry["decoding"])
         if key in seen:
             raise UserError(f"{at}: {describe(entry['decoding'])} is also by_decoding[{seen[key]}]; re-export it")
         seen[key] = i

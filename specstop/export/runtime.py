@@ -145,7 +145,7 @@ class StoppingPolicy(
         if self.config.get("by_decoding") is not None:
             from specstop.export.by_decoding import check_entries
 
-            self._by_decoding = check_entries(self.config["by_decoding"], spec, "by_decoding")
+            self._by_decoding = check_entries(self.config["by_decoding"], spec, CONFIG_NAME)
         self.setting: dict | None = self.config.get("decoding") if self._by_decoding else None
         # The price-free statistics of the spec in use (live re-pricing re-picks from them).
         self.stats: dict | None = self.config.get("stats")
@@ -274,7 +274,23 @@ class StoppingPolicy(
     def configure(self, decoding: DecodingConfig | None = None, vocab_size: int | None = None) -> StoppingPolicy:
         """Tell the policy how the decoder turns logits into q (features must match training). An export
         tuned per decoding setting switches to the setting that serves ``decoding``
-        (:func:`specstop.export.by_decoding.pick`)."""
+        (:func:`specstop.export.by_decoding.pick`).
+
+        Args:
+            decoding: the request's decoding setting; None keeps the current one.
+            vocab_size: the shared tokenizer vocabulary; None keeps the current one.
+
+        Raises:
+            UserError: ``decoding`` is not a :class:`~specstop.probs.DecodingConfig` (a mapping or a
+                transformers ``GenerationConfig`` names the conversion to use).
+        """
+        if decoding is not None and not isinstance(decoding, DecodingConfig):
+            raise UserError(
+                f"StoppingPolicy.configure takes a specstop.probs.DecodingConfig, got {type(decoding).__name__}: "
+                "build one with DecodingConfig(temperature=..., top_k=..., top_p=...), "
+                "DecodingConfig.from_generation({...}) for a mapping, or "
+                "specstop.decode.hf_assist.decoding_from_generation_config for a GenerationConfig"
+            )
         if decoding is not None:
             self.decoding = decoding
             if self._by_decoding:
@@ -313,17 +329,37 @@ class StoppingPolicy(
         """One line for a decoder to warn with when the numbers this policy runs at ``decoding`` were tuned
         on data made at another temperature (the setting :meth:`configure` picks from ``by_decoding``, else
         the export's labels'); None when they match or the policy is a rule built without an export."""
+        from specstop.export.by_decoding import pick, setting_of
+
         setting = (self.config or {}).get("decoding")
         if self._by_decoding:
-            from specstop.export.by_decoding import pick
-
             setting = self._by_decoding[pick([e for e, _ in self._by_decoding], decoding)][0]["decoding"]
-        t = (setting or {}).get("temperature")
-        if t is None or float(t) == decoding.temperature:
+        if setting is None or (isinstance(setting, dict) and setting.get("temperature") is None):
             return None
-        return (f"policy {self.label} was tuned on data made at temperature {float(t):g}, decoding runs at "
+        t = setting_of(setting, f"{CONFIG_NAME}: decoding")[0]  # the one rule for a recorded setting
+        if t == decoding.temperature:
+            return None
+        return (f"policy {self.label} was tuned on data made at temperature {t:g}, decoding runs at "
                 f"{decoding.temperature:g}: its thresholds may not fit (decoding stays lossless; "
                 "`specstop export --also-tuned` carries a policy tuned at this temperature)")
+
+    def warn_temperature_mismatch(self, decoding: DecodingConfig, who: str = "") -> str | None:
+        """Log :meth:`temperature_mismatch` as specstop's one warning line (the ``specstop`` logger: the CLI
+        prints it as ``[specstop] ...``), not as a Python warning with a file, line and source.
+
+        Args:
+            decoding: the setting the decoder runs at.
+            who: what runs the policy, prefixed to the line (``PEARL's stop``).
+
+        Returns:
+            The line logged, or None when the policy was tuned at this temperature.
+        """
+        mismatch = self.temperature_mismatch(decoding)
+        if mismatch:
+            import logging
+
+            logging.getLogger(__name__).warning("%s", f"{who} {mismatch}" if who else mismatch)
+        return mismatch
 
     @property
     def label(self) -> str:
