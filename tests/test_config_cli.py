@@ -370,3 +370,15 @@ def test_a_pipeline_section_value_from_a_flag_names_the_flag_with_the_file(tmp_p
     assert line.startswith(f"specstop pipeline: error: {cfg} with --data.generation.temperature: section data: "
                            "config key 'generation.temperature' must be a number, got 'hot'"), line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mapping_inside_a_section_takes_one_key_as_a_flag(tmp_path):
+    """The same rule below a section: `--prompts.split_sizes.validation 5` keeps the file's other sizes."""
+    from specstop.data_gen.cli import command
+
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("prompts: {source: builtin:mbpp, split_sizes: {validation: 80, test: 80}}\n")
+    settings, _ = command().parse(["--config", str(cfg), "--prompts.split_sizes.validation", "5"])
+    assert settings.prompts.split_sizes == {"validation": 5, "test": 80}
+    with pytest.raises(UserError, match=r"^--prompts.limit.x: prompts.limit is an integer or null, which has no key"):
+        command().parse(["--prompts.limit.x", "3"])
