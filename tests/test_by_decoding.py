@@ -189,3 +189,49 @@ def test_pearls_label_names_the_entry_its_workers_run(setup):
     sampled = PearlDecoder(pair, PearlSpec(3, stop=str(tmp / "e")), DecodingConfig(temperature=1.0), workers=workers)
     assert sampled.label.endswith("@ T=1") and sampled.stop_policy.spec.threshold == 0.6
     assert PearlDecoder(pair, PearlSpec(3, stop=str(tmp / "e")), workers=workers).label.endswith("@ greedy")
+
+
+@pytest.mark.parametrize("extra", [["--also-tuned", "HOT"], ["--policy", "confidence_opt"], ["--checkpoint", "CKPT"],
+                                   ["--data", "DATA", "--allow-missing-pair"]])
+def test_package_options_without_the_package_are_refused_not_ignored(setup, capsys, extra):
+    from specstop.cli import main
+
+    _pair, tmp, greedy, hot, _ = setup
+    extra = [{"HOT": str(hot), "CKPT": str(tmp / "disco.ckpt"), "DATA": str(tmp / "hot")}.get(a, a) for a in extra]
+    out = tmp / "engines"
+    assert main(["export", "--tuned", str(greedy), "--for", "vllm,llamacpp", "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    flags = [a for a in extra if a.startswith("--")]
+    assert len(err.splitlines()) == 1 and f"{', '.join(flags)} shape" in err
+    assert "which --for vllm,llamacpp does not write" in err and "add hf to --for" in err
+    assert not out.exists()  # refused before anything is written
+
+
+def test_for_hf_without_policy_says_what_it_packages_when_that_is_not_best(setup, capsys):
+    from specstop.cli import main
+    from specstop.export.cli import _learned_policy
+
+    _pair, tmp, greedy, hot, _ = setup
+    tuned = json.loads(greedy.read_text())
+    tuned["best"] = "confidence_opt"
+    (tmp / "best_rule.json").write_text(json.dumps(tuned))
+    assert _learned_policy(str(tmp / "best_rule.json"), None) == "disco_ffn"
+    said = capsys.readouterr().out
+    assert "packaging disco_ffn" in said and "--policy confidence_opt packages it instead" in said
+    assert _learned_policy(str(greedy), None) == "disco_ffn" and not capsys.readouterr().out  # best: nothing to say
+    assert _learned_policy(str(greedy), "confidence_opt") == "confidence_opt"
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())  # --help says what an omitted --policy packages
+    assert "null = the tuned file's 'best' (with --for hf or all: its learned predictor of the lowest" in helped
+
+
+def test_also_tuned_on_a_dataset_whose_recorded_setting_is_not_valid_is_one_line_naming_it(setup):
+    _pair, tmp, greedy, hot, _ = setup
+    manifest = json.loads((tmp / "hot" / "manifest.json").read_text())
+    manifest["generation"]["top_k"] = 2.5  # was truncated to top-k 2
+    (tmp / "hot" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=r"--also-tuned .*hot.json: its dataset .*hot: manifest generation.top_k must "
+                                          r"be an integer >= 0 \(0 disables\), got 2.5"):
+        export_from_files(tmp / "e", tuned=greedy, policy="confidence_opt", also_tuned=[hot])
+    assert not (tmp / "e").exists()

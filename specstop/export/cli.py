@@ -33,7 +33,8 @@ class ExportSettings:
     checkpoint: str | None = setting(None, flags=("--checkpoint",), metavar="[NAME=]PATH")
     """The predictor's checkpoint; null = the tuned file's 'checkpoints' entry for the policy."""
     policy: str | None = setting(None, flags=("--policy",))
-    """Which tuned policy to export; null = the tuned file's 'best'; tree_opt: the tuned token tree
+    """Which tuned policy to export; null = the tuned file's 'best' (with --for hf or all: its learned
+    predictor of the lowest validation latency, else 'best'); tree_opt: the tuned token tree
     (tuned.json 'tree_policies')."""
     also_tuned: list[str] = setting(default_factory=list, flags=("--also-tuned",), repeatable=True, metavar="TUNED")
     """The same policy tuned on data at another decoding setting (repeatable: `specstop tune` on a dataset
@@ -74,16 +75,46 @@ def main(argv: list[str]) -> int:
 
 
 def _learned_policy(tuned_path: str, policy: str | None) -> str | None:
-    """--policy, else the tuned learned predictor with the lowest validation latency, else None (tuned best)."""
+    """--policy, else the tuned learned predictor with the lowest validation latency, else None (tuned best).
+
+    hf's rule options are in ``hf.json`` already; the package is what adds the learned predictor
+    (``custom_generate``), so without --policy it packages that rather than 'best'. Said in one line
+    when the two differ, so the choice is not a surprise.
+    """
     if policy:
         return policy
     from specstop.export.export import read_tuned
 
-    pols = read_tuned(tuned_path)["policies"]
+    tuned = read_tuned(tuned_path)
+    pols = tuned["policies"]
     learned = [n for n, e in pols.items() if e["spec"]["kind"] == "predictor"]
     if not learned:
         return None
-    return min(learned, key=lambda n: (pols[n].get("validation") or {}).get("latency_per_token", float("inf")))
+    name = min(learned, key=lambda n: (pols[n].get("validation") or {}).get("latency_per_token", float("inf")))
+    if tuned.get("best") and tuned["best"] != name:
+        print(f"--for hf without --policy: packaging {name} (the learned predictor of the lowest validation latency; "
+              f"{tuned['best']}, tuned best, is among hf.json's options); --policy {tuned['best']} packages it instead")
+    return name
+
+
+#: Options that shape only the predictor package: with --for engines that exclude hf, no package is written.
+PACKAGE_OPTIONS = {"policy": "--policy", "checkpoint": "--checkpoint", "also_tuned": "--also-tuned",
+                   "node_head": "--node-head", "dataset": "--data", "allow_missing_pair": "--allow-missing-pair"}
+
+
+def check_package_options(args: ExportSettings, engines: list[str]) -> None:
+    """Refuse package options given when only engine files are written: they would be ignored silently.
+
+    Raises:
+        UserError: naming the options, the engines and the two fixes.
+    """
+    if not engines or "hf" in engines:
+        return
+    named = [flag for field, flag in PACKAGE_OPTIONS.items() if getattr(args, field)]
+    if named:
+        raise UserError(f"{', '.join(named)} shape{'s' if len(named) == 1 else ''} the predictor package, which "
+                        f"--for {','.join(engines)} does not write (engine files carry every tuned option): add hf "
+                        f"to --for to write the package too, or drop {', '.join(named)}")
 
 
 def _write_engines(args: ExportSettings, engines: list[str], hf_policy: str | None) -> None:
@@ -103,6 +134,7 @@ def run(args: ExportSettings) -> int:
     from specstop.outputs import check_writable, claim_output_dir
 
     engines = args.engines or []
+    check_package_options(args, engines)  # before anything is written
     if engines and "hf" not in engines:
         check_writable(args.out, "--out")
     else:

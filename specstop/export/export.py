@@ -100,13 +100,25 @@ def _pair_info(meta: dict, manifest: dict | None) -> dict | None:
     return None
 
 
-def _decoding_info(meta: dict, manifest: dict | None) -> dict | None:
+def _decoding_info(meta: dict, manifest: dict | None, where: str = "generation") -> dict | None:
+    """The ``{temperature, top_k, top_p}`` the labels were made at (a checkpoint's or a manifest's
+    ``generation`` record), checked by the one rule for a decoding setting; None when none is recorded.
+
+    Raises:
+        ExportError: a recorded value that is not a valid setting, named with ``where``.
+    """
     gen = meta.get("generation") or (meta.get("manifest") or {}).get("generation") or (manifest or {}).get("generation")
     if not gen:
         return None
     return {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
 
 
+    from specstop.export.by_decoding import setting_of
+
+    try:
+        setting_of(gen, where)
+    except UserError as err:
+        raise ExportError(str(err)) from None
 # ---------------------------------------------------------------------- validation
 @torch.no_grad()
 def _feature_batch(predictor: StoppingPredictor, batch: int, seed: int = 0) -> torch.Tensor:
@@ -495,8 +507,8 @@ def _setting_entry(path: str | Path, name: str, spec: PolicySpec, checkpoint, ma
                               f"--data DATA --checkpoint {name}={checkpoint} ...")
     ds = t.get("dataset")
     other_manifest = _read_manifest(ds)
-    gen = (other_manifest or {}).get("generation")
-    if not gen:
+    decoding = _decoding_info({}, other_manifest, f"--also-tuned {path}: its dataset {ds}: manifest generation")
+    if not decoding:
         raise ExportError(f"--also-tuned {path}: its dataset {ds} has no manifest with the decoding setting it was "
                           "made at")
     try:
@@ -505,7 +517,6 @@ def _setting_entry(path: str | Path, name: str, spec: PolicySpec, checkpoint, ma
                         fix="tune the policy on data of this export's pair")
     except UserError as err:
         raise ExportError(str(err)) from None
-    decoding = {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
     log.info("--also-tuned %s: %s at %s", path, other.label, describe(decoding))
     return {"decoding": decoding, "policy": other.to_dict(), "speedup": (entry.get("validation") or {}).get("speedup"),
             "source": {"tuned": str(path), "dataset": str(ds) if ds else None},
