@@ -274,3 +274,53 @@ def test_cost_sweep_drafts_exactly_each_k_and_times_it(tiny_pair_dir, loaded):
     with pytest.raises(UserError, match="cost_sweep must be"):
         cfg.additional_config["specstop"]["cost_sweep"] = [-1]
         SpecstopProposer(cfg)
+
+
+@pytest.fixture
+def per_setting_export(tmp_path, exports):
+    """The static export, tuned per setting: K 3 for greedy requests, K 1 at T = 1."""
+    import json
+    import shutil
+
+    out = tmp_path / "per_setting"
+    shutil.copytree(exports["static"], out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["by_decoding"] = [
+        {"decoding": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "policy": {"kind": "static", "k": 3}},
+        {"decoding": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "policy": {"kind": "static", "k": 1}},
+    ]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_a_policy_per_setting_runs_the_entry_the_settings_name_and_says_which_without_one(
+        tiny_pair_dir, per_setting_export, caplog):
+    import logging
+
+    cfg = _config(tiny_pair_dir / "draft", str(per_setting_export))
+    with caplog.at_level(logging.WARNING, logger="specstop"):
+        proposer = SpecstopProposer(cfg)  # was: the greedy entry, silently
+    assert proposer.policy.spec.k == 3
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "every request runs policy" in line and "(the greedy entry of by_decoding)" in line
+    assert "set specstop.decoding to their setting" in line
+    caplog.clear()
+
+    cfg.additional_config["specstop"]["decoding"] = {"temperature": 1.0}
+    with caplog.at_level(logging.WARNING, logger="specstop"):
+        proposer = SpecstopProposer(cfg)
+    assert proposer.policy.spec.k == 1 and proposer.policy.label.endswith("@ T=1") and not caplog.records
+    assert proposer.decoding.temperature == 1.0  # the features' transform too
+
+
+@pytest.mark.parametrize("value, says", [
+    ({"temperature": "hot"}, r"specstop.decoding.temperature must be a number, got 'hot'"),
+    ({"top_k": 2.5}, r"specstop.decoding.top_k must be an integer >= 0"),
+    ("greedy", r"specstop.decoding must be a mapping of temperature, top_k and top_p"),
+])
+def test_a_decoding_setting_that_is_not_valid_is_one_line(tiny_pair_dir, per_setting_export, value, says):
+    cfg = _config(tiny_pair_dir / "draft", str(per_setting_export))
+    cfg.additional_config["specstop"]["decoding"] = value
+    with pytest.raises(UserError, match="SpecstopProposer: " + says) as err:
+        SpecstopProposer(cfg)
+    assert "\n" not in str(err.value)

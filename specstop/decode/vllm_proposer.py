@@ -39,6 +39,12 @@ seconds per step) and the engine's target step between two calls, as ratios to t
 ``calibrate-cost --engine vllm``'s; else the export's own), and every request's policy switches between
 rounds, logged. ``"live_pricing": false`` pins the policy.
 
+Decoding setting: vLLM hands a custom proposer no request's sampling parameters (``propose`` gets token
+ids only), so one setting serves every request. ``"decoding": {"temperature": 1.0, "top_p": 0.9}`` in the
+``specstop`` settings names it: an export tuned per setting (``by_decoding``) runs that setting's entry,
+and a learned policy reads its features at it. Without it the greedy entry runs, and a policy that also
+carries sampled entries says so in one warning line.
+
 This module imports vLLM nowhere at import time; it needs torch and transformers (the vLLM
 install brings both) and specstop's core install.
 """
@@ -69,6 +75,8 @@ __all__ = ["PROPOSER_CLASS", "SETTINGS_KEY", "SpecstopProposer", "dynamic_k_look
 
 #: Settings key of the cost-calibration sweep (a list of draft lengths; see ``SpecstopProposer.cost_sweep``).
 COST_SWEEP_KEY = "cost_sweep"
+#: Settings key of the decoding setting every request runs at (``{temperature, top_k, top_p}``).
+DECODING_KEY = "decoding"
 
 #: vLLM's speculative-decoding counters (``LLM.get_metrics()``) -> the names specstop reports them by.
 SPEC_METRICS = {
@@ -138,6 +146,36 @@ def _setting(settings: dict, key: str, hint: Any, default: Any) -> Any:
         raise UserError(f"{PROPOSER_CLASS}: {err}") from None
 
 
+def _decoding_setting(settings: dict, policy: StoppingPolicy) -> DecodingConfig:
+    """The ``decoding`` setting (else greedy), with ``policy`` configured for it; one warning line when the
+    policy carries entries tuned for sampling and none was chosen, since vLLM's ``propose`` cannot tell
+    which requests sample.
+
+    Raises:
+        UserError: a ``decoding`` value that is not a valid setting (the one rule of
+            :meth:`DecodingConfig.from_generation`), naming it.
+    """
+    import logging
+
+    from specstop.export.by_decoding import describe, setting_of
+
+    given = settings.get(DECODING_KEY)
+    try:
+        decoding = DecodingConfig.from_generation(given, f"{SETTINGS_KEY}.{DECODING_KEY}")
+    except UserError as err:
+        raise UserError(f"{PROPOSER_CLASS}: {err}") from None
+    policy.configure(decoding)
+    entries = policy.config.get("by_decoding") or []
+    if given is None and any(setting_of(e["decoding"])[0] > 0 for e in entries):
+        logging.getLogger(__name__).warning(
+            "%s", f"{PROPOSER_CLASS}: vLLM does not pass a custom proposer its requests' sampling parameters, so "
+            f"every request runs policy {policy.label} (the {describe(policy.setting or {})} entry of by_decoding); "
+            f"for sampled requests set {SETTINGS_KEY}.{DECODING_KEY} to their setting, e.g. "
+            f"{{\"temperature\": 1.0}}, to run the entry tuned for it")
+    policy.warn_temperature_mismatch(decoding, PROPOSER_CLASS + ":")
+    return decoding
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     m = min(len(a), len(b))
     diff = np.flatnonzero(a[:m] != b[:m])
@@ -164,7 +202,7 @@ class SpecstopProposer:
         vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config`` (``num_speculative_tokens``,
             ``num_speculative_tokens_per_batch_size``), ``model_config`` (dtype, ``max_model_len``),
             ``scheduler_config.max_num_seqs`` and ``additional_config["specstop"]`` (``draft``,
-            ``policy``, optional ``draft_quant`` and ``allow_draft_mismatch``).
+            ``policy``, optional ``draft_quant``, ``allow_draft_mismatch`` and ``decoding``).
 
     Raises:
         UserError: missing settings, a malformed policy, or an export made for another draft.
@@ -197,6 +235,8 @@ class SpecstopProposer:
         sched = getattr(spec_cfg, "num_speculative_tokens_per_batch_size", None)
         self.k_by_batch = dynamic_k_lookup(sched, max_seqs, self.k_max) if sched else None
         self.policy = self._load_policy(settings["policy"], _setting(settings, "allow_draft_mismatch", bool, False))
+        #: The setting the policy runs at, for every request (vLLM's ``propose`` names none).
+        self.decoding = _decoding_setting(settings, self.policy)
         self.live = None
         if _setting(settings, "live_pricing", bool, True) and self.cost_sweep is None:
             from specstop.decode.live_pricing import LivePricer
@@ -259,7 +299,7 @@ class SpecstopProposer:
                                                          prefill_rows=PREFILL_ROWS[self.draft_quant])
         install_fast_paths(self.model)
         self.vocab_size = len(AutoTokenizer.from_pretrained(self.draft))
-        self.policy.configure(DecodingConfig(), self.vocab_size)
+        self.policy.configure(self.decoding, self.vocab_size)
         for eos in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id):
             if eos is not None:
                 self.eos.update([eos] if isinstance(eos, int) else list(eos))
