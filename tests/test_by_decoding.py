@@ -86,6 +86,9 @@ def test_an_export_carries_each_settings_thresholds_and_decoders_pick_by_the_req
 
     hf = decoding_from_generation_config(GenerationConfig(do_sample=True, temperature=1.0, top_k=0))
     assert StoppingPolicy.from_pretrained(out).configure(hf).spec.threshold == 0.6  # HF's hook, a sampled request
+    for bad in ({"top_k": 2.5}, {"temperature": "hot"}):  # transformers takes both; was truncated / a ValueError
+        with pytest.raises(UserError, match=f"generation_config.{next(iter(bad))} must be"):
+            decoding_from_generation_config(GenerationConfig(do_sample=True, **bad))
 
     greedy_only = export_from_files(tmp / "greedy_only", tuned=greedy, policy="disco_ffn") and tmp / "greedy_only"
     with warnings.catch_warnings():

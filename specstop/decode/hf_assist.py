@@ -54,13 +54,17 @@ __all__ = [
 
 
 def decoding_from_generation_config(generation_config) -> DecodingConfig:
-    """The specstop decoding transform equivalent to a generation config (greedy unless do_sample)."""
+    """The specstop decoding transform equivalent to a generation config (greedy unless do_sample).
+
+    Raises:
+        UserError: a value the one rule for a decoding setting refuses (``top_k=2.5``, ``temperature="hot"``:
+            transformers accepts both), naming it, rather than a truncated top-k or a raw ValueError.
+    """
     if not generation_config.do_sample:
         return DecodingConfig()
-    return DecodingConfig(
-        temperature=float(generation_config.temperature or 1.0),
-        top_k=int(generation_config.top_k or 0),
-        top_p=float(generation_config.top_p or 1.0),
+    g = generation_config
+    return DecodingConfig.from_generation(
+        {"temperature": g.temperature or 1.0, "top_k": g.top_k or 0, "top_p": g.top_p or 1.0}, "generation_config"
     )
 
 
