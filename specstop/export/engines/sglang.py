@@ -1,0 +1,112 @@
+"""SGLang: ``--speculative-algorithm STANDALONE`` (a separate draft model) with ``--speculative-num-steps`` K,
+``--speculative-eagle-topk 1`` and ``--speculative-num-draft-tokens`` K + 1; the batch schedule as
+adaptive-speculation tiers (``--speculative-adaptive-config``, a JSON file written beside the settings)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from specstop.export.engines.base import Context, Engine, bad, flag_value, is_int, side_file
+from specstop.export.engines.pricing import schedule_rows
+from specstop.outputs import atomic_write_text
+
+#: Where ``write_engine_settings`` puts SGLang's adaptive-speculation tiers (a JSON file it reads by path).
+SGLANG_ADAPTIVE_FILE = "sglang_adaptive.json"
+
+
+def _launch(target: str, flags: list[str]) -> str:
+    return shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target, *flags])
+
+
+def _draft_flags(draft: str, k: int) -> list[str]:
+    return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", draft,
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
+
+
+def _option(entry: dict, ctx: Context) -> dict:
+    flags = _draft_flags(ctx.draft, entry["spec"]["k"])
+    return {"flags": flags, "command": _launch(ctx.target, flags)}
+
+
+def _schedule(sched: dict, draft: str, target: str, folder: str | None) -> dict:
+    entries = sched["entries"]
+    ks = [e["k"] for e in entries]
+    # One candidate per tier pins the step count there: the EMA controller can only pick among
+    # candidate_steps. Tier keys are lower bounds; the first must cover batch size 1.
+    tiers = {str(1 if i == 0 else e["batch_size"]): {"candidate_steps": [e["k"]]} for i, e in enumerate(entries)}
+    start = ks[0] if ks[0] > 0 else max(ks)
+    notes = [
+        "tier keys are lower bounds (a batch uses the tier with the largest key <= its size); one candidate step "
+        "per tier holds the tuned K there, and 0 turns drafting off",
+        "SGLang's adaptive controller documents support for EAGLE/EAGLE3 (topk 1); for a STANDALONE draft model "
+        "builds without that support log a warning and run the static --speculative-num-steps (the batch-size-1 K)",
+    ]
+    if start == 0:
+        notes.append("the schedule runs no speculation at any batch size: serve without --speculative-algorithm")
+        return {"adaptive_config": None, "flags": [], "command": _launch(target, []),
+                "by_batch_size": schedule_rows(sched, ks), "notes": notes}
+    flags = [*_draft_flags(draft, start),
+             "--speculative-adaptive", "--speculative-adaptive-config", side_file(folder, SGLANG_ADAPTIVE_FILE)]
+    return {"adaptive_config": tiers, "flags": flags, "command": _launch(target, flags),
+            "by_batch_size": schedule_rows(sched, ks), "notes": notes}
+
+
+def _check(flags: Any, adaptive: Any, where: str) -> None:
+    """sglang server args + python/sglang/srt/speculative/adaptive_spec_params.py: integer-string batch-size
+    keys, each with a non-empty candidate_steps list of integers >= 0; --speculative-num-steps among them."""
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        raise bad("sglang", f"{where}: flags must be a list of strings")
+    if flag_value(flags, "--speculative-algorithm", "sglang", where) != "STANDALONE":
+        raise bad("sglang", f"{where}: --speculative-algorithm must be STANDALONE for a separate draft model")
+    flag_value(flags, "--speculative-draft-model-path", "sglang", where)
+    try:
+        steps, topk, ntok = (int(flag_value(flags, f, "sglang", where)) for f in (
+            "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"))
+    except ValueError:
+        raise bad("sglang", f"{where}: step/topk/draft-token flags must be integers") from None
+    if steps < 1 or topk != 1 or ntok != steps + 1:
+        raise bad("sglang", f"{where}: need --speculative-num-steps >= 1, --speculative-eagle-topk 1 and "
+                  f"--speculative-num-draft-tokens = steps + 1, got {steps}, {topk}, {ntok}")
+    if adaptive is None:
+        return
+    if "--speculative-adaptive" not in flags:
+        raise bad("sglang", f"{where}: an adaptive config needs --speculative-adaptive")
+    if not isinstance(adaptive, dict) or not adaptive:
+        raise bad("sglang", f"{where}: the adaptive config must map batch sizes to {{candidate_steps: [...]}}")
+    keys, union = [], set()
+    for key, tier in adaptive.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
+            raise bad("sglang", f"{where}: adaptive tier key {key!r} must be a batch size written as digits")
+        cand = tier.get("candidate_steps") if isinstance(tier, dict) else None
+        if not isinstance(cand, list) or not cand or not all(is_int(c) and c >= 0 for c in cand):
+            raise bad("sglang", f"{where}: tier {key} candidate_steps must be a non-empty list of integers >= 0")
+        keys.append(int(key))
+        union.update(cand)
+    if keys != sorted(keys) or keys[0] != 1:
+        raise bad("sglang", f"{where}: adaptive tier batch sizes must ascend from 1, got {keys}")
+    if steps not in union:
+        raise bad("sglang", f"{where}: --speculative-num-steps {steps} is not among the tiers' candidate_steps "
+                  f"{sorted(union)} (SGLang refuses that)")
+
+
+def _check_option(opt: dict, where: str) -> None:
+    _check(opt.get("flags"), None, where)
+
+
+def _check_schedule(sched: dict, where: str) -> None:
+    if sched.get("adaptive_config") is not None:
+        _check(sched.get("flags"), sched["adaptive_config"], where)
+
+
+def _side_files(out: Path, settings: dict) -> None:
+    """The adaptive tiers, which SGLang reads by path."""
+    if (settings.get("batch_schedule") or {}).get("adaptive_config"):
+        atomic_write_text(out / SGLANG_ADAPTIVE_FILE, json.dumps(settings["batch_schedule"]["adaptive_config"], indent=2) + "\n")
+
+
+ENGINE = Engine(name="sglang", policies=("static_opt",), option=_option, check_option=_check_option,
+                schedule=_schedule, check_schedule=_check_schedule, side_files=_side_files)
