@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("specstop.train.cli", "train a stopping predictor (LightningCLI; --config configs/train/*.yaml)"),
     "sweep": ("specstop.pipeline.sweep", "train a grid of predictors and tabulate them (SpecDec++ Table 3)"),
     "calibrate-cost": ("specstop.measure.calibrate_cli", "measure draft/target step costs on this hardware"),
-    "tune": ("specstop.eval.tune_cli", "tune stopping thresholds for latency on a validation split"),
+    "tune": ("specstop.measure.levels_tune", "tune stopping thresholds for latency on a validation split"),
     "eval": ("specstop.eval.eval_cli", "replay every policy on a test split and write the report"),
     "export": ("specstop.export.cli", "package a trained, tuned predictor for decoders"),
     "decode": ("specstop.decode.cli", "speculative decoding with a stopping policy"),

@@ -64,6 +64,10 @@ PARSED_ONLY = {
     "--policy pearl": "PEARL starts two worker processes (about 15 s on 2 cores); tests/test_pearl_decoder.py runs them",
     "--also-tuned": "needs the policy tuned on data made at another temperature; tests/test_by_decoding.py exports the "
                     "same way from greedy and T = 1 data of the tiny pair",
+    "--levels": "names a level model folder the page leaves to the reader; tests/test_levels_cli.py decodes, tunes "
+                "and exports a stack of the tiny pair and a level model",
+    "runs/levels/": "a tuned stack's files; tests/test_levels_cli.py runs tune --levels, export --policy levels and "
+                    "decode of that export",
 }
 #: Commands that run for real after their line parsed (the others are the heavy stages - data
 #: generation, training, calibration, tuning and replay on real data, the 1 GB fetch - and parse only).

@@ -310,3 +310,38 @@ def test_a_rerun_with_changed_label_settings_names_the_run_folder_not_a_data_fla
     assert "other label settings" in line and "--data folder" not in line, line
     assert f"give a new run_dir (--run-dir), or delete {run_dir / 'data'} to make that data again" in line, line
     assert {p.name: p.stat().st_mtime for p in complete_shards(run_dir / "data")} == shards
+
+
+def test_pipeline_levels_tunes_and_exports_the_stack(pipeline_config, tmp_path, monkeypatch):
+    """levels: the tune stage also tunes the stack's rules jointly and RUN/export_levels carries them."""
+    import pathlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_multilevel import _noisy_copy
+
+    _, base = pipeline_config
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1])
+    middle = tmp_path / "middle"
+    target = pathlib.Path(base["pair"]) / "target"
+    _noisy_copy(AutoModelForCausalLM.from_pretrained(target), 0.05, seed=1).save_pretrained(middle)
+    AutoTokenizer.from_pretrained(target).save_pretrained(middle)
+    cfg = {**base, "run_dir": str(tmp_path / "run"), "families": [], "cost_model": "llama2-7b-70b",
+           "online_prompts": 0, "export_policy": "best", "levels": str(middle),
+           "tune_args": ["--level-grid", "static:1,static:2", "--level-grid", "static:3", "--level-prompts", "2",
+                         "--level-budget-s", "0"]}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["pipeline", "--config", str(path)]) == 0
+    run_dir = tmp_path / "run"
+    assert _stages(run_dir)["export_levels"] == "ran"
+    entry = json.loads((run_dir / "tuned.json").read_text())["levels"]
+    assert entry["models"] == [str(middle)] and entry["policies"][1] == "static:3"
+    exported = json.loads((run_dir / "export_levels" / "config.json").read_text())["levels"]
+    assert exported["policies"] == entry["policies"] and exported["models"] == entry["models"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**cfg, "levels": " , "}))
+    with pytest.raises(Exception, match="levels is empty"):
+        from specstop.pipeline import PipelineConfig
+
+        PipelineConfig.from_yaml(bad)

@@ -72,6 +72,11 @@ class DecodeSettings(PairSettings):
     request pays the compile."""
     allow_draft_mismatch: bool = setting(False, flags=("--allow-draft-mismatch",))
     """Load an export made for another draft/tokenizer."""
+    levels: str | None = setting(None, flags=("--levels",), metavar="MODELS")
+    """Multi-level speculation: the models between the draft and the target, smallest first, as a comma
+    list (local folders or hub ids); --policy then gives one rule per gap, bottom first (e.g.
+    static:2,static:6), or an export of a stack tuned by `specstop tune --levels` (whose models this
+    replaces)."""
 
 
 def command() -> TypedCommand:
@@ -118,7 +123,10 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
     shape = parse_tree_policy(args.policy)  # before loading models: a malformed spec fails at once
     pearl = _pearl_options(args)
     source = _export_folder(args.policy)  # an export folder, or a hub id's download in the HF cache
-    if shape is None and pearl is None and source is None:
+    from specstop.decode.levels_cli import stack_decoder, stack_request
+
+    stack = stack_request(args, source)  # (models, rules) of a multi-level stack, else None
+    if shape is None and pearl is None and source is None and stack is None:
         _check_policy_text(args.policy)  # before loading models
     exported = _tree_export(source)  # a tuned token tree (and its node head), else None
     if exported is not None:
@@ -147,7 +155,9 @@ def run(args: DecodeSettings, as_json: bool = False) -> int:
                            draft_quant=args.draft_quant)
     from specstop.pair.context import check_fits
 
-    if pearl is not None:
+    if stack is not None:
+        decoder = stack_decoder(pair, *stack, decoding)
+    elif pearl is not None:
         decoder = _pearl_decoder(pair, decoding, *pearl, allow_draft_mismatch=args.allow_draft_mismatch)
     elif shape is not None:
         if node_head is not None:

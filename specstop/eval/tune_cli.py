@@ -9,7 +9,9 @@ Writes the tuned-policy file of docs/design.md::
 ``tree_policies`` is filled when the cost model has a measured ``tree`` section
 (:mod:`specstop.eval.tree_tune`), else empty. ``batch_schedule`` (a static K and a confidence
 threshold + SL_max per batch size, :mod:`specstop.eval.batch_schedule`) is written when the cost model
-has a measured ``batch`` section (``calibrate-cost --batch-grid``).
+has a measured ``batch`` section (``calibrate-cost --batch-grid``). ``levels`` (with ``--levels``) is a
+multi-level stack entry (:mod:`specstop.eval.stack_entry`, docs/schemas.md): the stack's models and its
+jointly tuned rules (:mod:`specstop.measure.levels_tune`).
 """
 
 from __future__ import annotations
@@ -77,15 +79,27 @@ class TuneSettings(TuneOptions):
     """Price with a measured cost table even when it fails its check (erratic or unordered K)."""
     out: str | None = setting(None, flags=("--out",), required=True)
     """Tuned-policy JSON to write."""
+    levels: str | None = setting(None, flags=("--levels",), metavar="MODELS")
+    """Also tune a multi-level stack jointly: the models between the dataset's draft and target, smallest
+    first, as a comma list (local folders or hub ids); its best rules go into the tuned file's ``levels``
+    entry (`specstop export --policy levels`)."""
+    level_grid: list[str] = setting(default_factory=list, flags=("--level-grid",), metavar="RULES", repeatable=True)
+    """--levels: the rules to try for one gap (a comma list), repeated once per gap, bottom first; none =
+    static:1..3 and confidence 0.5 / 0.7 below, static:4..8 and confidence 0.4 / 0.6 for the target."""
+    level_prompts: int = setting(8, flags=("--level-prompts",))
+    """--levels: prompts of the split the stack is recorded and replayed on."""
+    level_budget_s: float = setting(30.0, flags=("--level-budget-s",))
+    """--levels: seconds of timing every model's forwards on this machine."""
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], stack_tuner=None) -> int:
+    """``specstop tune``; ``stack_tuner``: what tunes a ``--levels`` stack (:func:`run`)."""
     from specstop.config_cli import TypedCommand
 
     args, _ = TypedCommand(TuneSettings, prog="specstop tune",
                            description="tune every policy's thresholds / lengths on a validation split; cost "
                                        f"model presets (not this machine): {', '.join(PRESETS)}").parse(argv)
-    return run(args)
+    return run(args, stack_tuner=stack_tuner)
 
 
 def _ints(text: str) -> list[int]:
@@ -120,7 +134,13 @@ def load_cost_model_arg(spec, *, force: bool = False, recorded_in: str | None = 
     return cost
 
 
-def run(args: TuneSettings) -> int:
+def run(args: TuneSettings, stack_tuner=None) -> int:
+    """Tune and write ``args.out``.
+
+    ``stack_tuner(data, split, models, grids, limit=, budget_s=) -> stack entry`` tunes a ``--levels``
+    stack (:func:`specstop.measure.levels_tune.tune_dataset_stack`: it times and records models, which
+    this layer does not; the ``tune`` command passes it).
+    """
     from specstop.outputs import check_writable
 
     check_range("--repeats", args.repeats, low=1)
@@ -130,6 +150,10 @@ def run(args: TuneSettings) -> int:
         raise UserError("missing --data (the dataset to tune on), or give --reprice TUNED to re-price a tuned file; "
                         "see specstop tune --help")
     check_writable(args.out, "--out", kind="file")  # before the replay work, not after it
+    stack = _stack_request(args)  # a bad --levels or --level-grid fails before any tuning
+    if stack is not None and stack_tuner is None:
+        raise UserError("--levels times and records the stack's models: run it as `specstop tune` (the command), "
+                        "or pass stack_tuner=specstop.measure.levels_tune.tune_dataset_stack")
     cost = load_cost_model_arg(args.cost_model, force=args.force_cost)
     grid = _ints(args.sl_max_grid)
     tuned = tune_dataset(
@@ -141,6 +165,9 @@ def run(args: TuneSettings) -> int:
         heuristic_starts=_ints(args.heuristic_starts),
         repeats=args.repeats,
     )
+    if stack is not None:
+        tuned["levels"] = stack_tuner(args.data, args.split, *stack, limit=args.level_prompts,
+                                      budget_s=args.level_budget_s)
     out = Path(args.out)
     atomic_write_json(out, tuned)  # a crash or a full disk never leaves a half-written tuned file
     for name, pol in tuned["policies"].items():
@@ -161,10 +188,28 @@ def run(args: TuneSettings) -> int:
         log.info("batch %-3d static K=%d (speedup %.3f)%s", e["batch_size"], e["k"], e["predicted_speedup"],
                  f"; confidence {thr['threshold']:.3f}, SL_max {thr['sl_max']} (speedup {thr['predicted_speedup']:.3f})"
                  if thr else "")
+    if "levels" in tuned:
+        lv = tuned["levels"]
+        log.info("%-18s %-40s speedup %.3f (stack of %d models)", "levels", " / ".join(lv["policies"]),
+                 lv["speedup"], len(lv["models"]) + 2)
     for name, why in tuned["skipped"].items():
         log.info("%-18s skipped: %s", name, why)
     log.info("best: %s -> %s", tuned["best"], out)
     return 0
+
+
+def _stack_request(args: TuneSettings) -> tuple[list[str], list[list[str]]] | None:
+    """``(models, grids)`` of ``--levels`` (None without it); ``--level-*`` settings without it are refused."""
+    if args.levels is None:
+        if args.level_grid:
+            raise UserError("--level-grid tunes a multi-level stack: add --levels MODELS or drop --level-grid")
+        return None
+    from specstop.eval.stack_entry import level_grids, parse_level_models
+
+    check_range("--level-prompts", args.level_prompts, low=1)
+    check_range("--level-budget-s", args.level_budget_s, low=0)
+    models = parse_level_models(args.levels)
+    return models, level_grids(args.level_grid, len(models) + 1)
 
 
 def run_reprice(args: TuneSettings) -> int:

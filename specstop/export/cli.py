@@ -184,6 +184,10 @@ def _run(args: ExportSettings, engines: list[str]) -> int:
     if config.get("tree"):
         print(f"  token tree {config['tree']['policy']}{' + node head' if config['tree'].get('node_head') else ''}: "
               f"specstop decode --policy {args.out} runs the tree decoder")
+    if config.get("levels"):
+        lv = config["levels"]
+        print(f"  multi-level stack {' / '.join(lv['policies'])}: specstop decode --policy {args.out} runs it with the "
+              f"pair and {', '.join(lv['models'])} between its draft and target")
     print(f"  HF: target.generate(..., assistant_model=draft, custom_generate={args.out!r}, trust_remote_code=True)")
     if engines:
         _write_engines(args, engines, policy)

@@ -20,6 +20,9 @@ config.json (schema version 1)::
     export_check: {batch, max_abs_diff}
     tree:       {policy: "mcsd:..." | "tree:N,W,D", node_head: {family, config, weights} | null} (token-tree
                 exports only; ``policy`` above is then the tuned chain fallback for chain-only consumers)
+    levels:     {schema_version: 1, models, policies, speedup} (multi-level stack exports only: the models
+                between draft and target, smallest first, and one rule per gap, bottom first;
+                specstop.eval.stack_entry)
 """
 
 from __future__ import annotations
@@ -173,6 +176,7 @@ def export_policy(
     node_head: StoppingPredictor | None = None,
     by_decoding: list[dict] | None = None,
     stats: dict | None = None,
+    levels: dict | None = None,
 ) -> dict:
     """Write an export folder and validate it. Returns the written config.
 
@@ -198,6 +202,8 @@ def export_policy(
             setting among them.
         stats: the policy's price-free statistics (:mod:`specstop.eval.price_free`): decoders re-pick its
             threshold, SL_max or K from them as live step costs move.
+        levels: a multi-level stack entry (:mod:`specstop.eval.stack_entry`): ``specstop decode --policy
+            OUT`` then runs the stack; ``spec`` stays the chain policy chain-only consumers use.
 
     Raises:
         ExportError: inconsistent inputs, or ``out`` exists and is not empty (without ``overwrite``).
@@ -240,6 +246,8 @@ def export_policy(
         if not any(setting_of(e["decoding"]) == setting_of(decoding or {}) for e in by_decoding):
             raise ExportError("by_decoding must hold the export's own decoding setting (its dataset's)")
         config["by_decoding"] = by_decoding
+    if levels is not None:
+        config["levels"] = levels
     if tree is not None:
         config["tree"] = {"policy": tree, "node_head": None if node_head is None else {
             "family": node_head.family, "config": node_head.config_dict(), "weights": NODE_HEAD_NAME,
@@ -404,12 +412,17 @@ def export_from_files(
     t = read_tuned(tuned)
     name = policy or t.get("best")
     trees = t.get("tree_policies") or {}
-    choices = sorted(t["policies"]) + sorted(trees)
+    choices = sorted(t["policies"]) + sorted(trees) + (["levels"] if "levels" in t else [])
     if not name:
         raise ExportError(f"{tuned} names no 'best' policy: pass --policy NAME (one of {choices})")
     if node_head is not None and name not in trees:
         raise ExportError(f"--node-head steers token trees; policy {name!r} is not a tuned tree policy (have: "
                           f"{sorted(trees) or 'none'}) - drop --node-head")
+    if name == "levels" and name not in t["policies"] and name not in trees:
+        if also_tuned or checkpoint:
+            raise ExportError("--policy levels exports a multi-level stack of rules: drop --also-tuned and --checkpoint")
+        return _export_stack(out, t, tuned=tuned, dataset=dataset, allow_missing_pair=allow_missing_pair,
+                             overwrite=overwrite)
     if name in trees and name not in t["policies"]:
         if also_tuned:
             raise ExportError(f"--also-tuned carries a chain policy's settings per decoding; {name!r} is a token tree "
@@ -567,4 +580,27 @@ def _export_tree(out, t: dict, name: str, *, tuned, node_head, dataset, allow_mi
         cost_model=t.get("cost_model"), validation=entry.get("validation"),
         source={"checkpoint": str(node_head) if node_head else None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
         allow_missing_pair=allow_missing_pair, overwrite=overwrite, tree=text, node_head=head,
+    )
+
+
+def _export_stack(out, t: dict, *, tuned, dataset, allow_missing_pair: bool, overwrite: bool) -> dict:
+    """Export the tuned multi-level stack of ``t`` (``--policy levels``): config.json ``levels`` is its stack
+    entry without the timings and ranking (which stay in the tuned file), ``policy`` the tuned chain
+    ``static_opt`` (what chain-only consumers run with the pair alone), as for token trees."""
+    from specstop.eval.stack_entry import check_stack_entry
+
+    try:
+        entry = check_stack_entry(t["levels"], str(tuned))
+    except UserError as err:
+        raise ExportError(str(err)) from None
+    levels = {k: entry[k] for k in ("schema_version", "models", "policies", "speedup") if k in entry}
+    chain = (t["policies"].get("static_opt") or {}).get("spec")
+    spec = PolicySpec.from_dict(chain) if chain else PolicySpec(kind="static", k=4)
+    ds = dataset or t.get("dataset")
+    manifest = _read_manifest(ds)
+    return export_policy(
+        out, spec=spec, name="levels", pair=_pair_info({}, manifest), decoding=_decoding_info({}, manifest),
+        cost_model=t.get("cost_model"), validation={"speedup": entry.get("speedup")},
+        source={"checkpoint": None, "tuned": str(tuned), "dataset": str(ds) if ds else None},
+        allow_missing_pair=allow_missing_pair, overwrite=overwrite, levels=levels,
     )

@@ -114,6 +114,7 @@ def export_draft_quant(folder: str | Path) -> str | None:
 CONFIG_KEYS = frozenset({
     "format", "model_type", "schema_version", "specstop_version", "created", "name", "policy", "predictor",
     "features", "decoding", "cost_model", "validation", "pair", "source", "export_check", "tree", "by_decoding", "stats",
+    "levels",
 })
 PREDICTOR_KEYS = frozenset({"family", "config", "label", "num_parameters", "weights", "dtype"})
 

@@ -122,6 +122,10 @@ class PipelineConfig(PairSettings):
     estimate fits (specstop.measure.online_budget); null = as configured."""
     export_policy: str = "best"
     """Which tuned policy to export (best = the tuned file's best learned one)."""
+    levels: str | None = None
+    """Multi-level speculation: the models between the pair's draft and target, smallest first, as a comma
+    list (local folders or hub ids). The tune stage then also tunes the stack's rules jointly (`specstop
+    tune --levels`) and RUN/export_levels carries them (`specstop decode --policy RUN/export_levels`)."""
 
     def __post_init__(self) -> None:
         self.tune_args = [str(a) for a in self.tune_args]
@@ -180,6 +184,10 @@ class PipelineConfig(PairSettings):
 
             parse_batch_grid(self.calibrate.batch_grid)
         check_dtype_name(self.dtype)
+        if self.levels is not None:
+            from specstop.eval.stack_entry import parse_level_models
+
+            parse_level_models(self.levels, "levels")
         seen = set()
         for fam in self.families:
             check_plain_name(fam.name, "family name")  # it names RUN/train/<family>

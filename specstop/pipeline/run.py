@@ -186,11 +186,13 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
     for name, ckpt in checkpoints.items():
         tune_argv += ["--checkpoint", f"{name}={ckpt}"]
     trains = [f"train_{f.name}" for f in cfg.families]
+    # The stack is tuned once, on the main data (its replay is greedy); the other settings' tunes omit it.
+    main_tune = [*tune_argv, *(["--levels", cfg.levels] if cfg.levels else [])]
     runner.run(
         "tune",
-        {"args": tune_argv[1:]},
+        {"args": main_tune[1:]},
         ["data", *trains, "calibrate"],
-        lambda: (_cli(tune_argv) or {"tuned": str(tuned)}),
+        lambda: (_cli(main_tune) or {"tuned": str(tuned)}),
         outputs_exist=lambda o: Path(o.get("tuned", "")).is_file(),
     )
     setting_tuned = {}
@@ -239,6 +241,17 @@ def _run_stages(cfg: PipelineConfig, *, force: bool = False) -> dict:
         lambda: (_cli(export_argv) or {"export": str(export_dir)}),
         outputs_exist=lambda o: (Path(o.get("export", "")) / "config.json").is_file(),
     )
+
+    if cfg.levels:  # the jointly tuned stack, exported beside the pair's policy
+        levels_dir = run_dir / "export_levels"
+        levels_argv = ["export", "--tuned", str(tuned), "--policy", "levels", "--out", str(levels_dir), "--overwrite"]
+        runner.run(
+            "export_levels",
+            {"args": levels_argv[1:]},
+            ["tune"],
+            lambda: (_cli(levels_argv) or {"export": str(levels_dir)}),
+            outputs_exist=lambda o: (Path(o.get("export", "")) / "config.json").is_file(),
+        )
 
     # 8. a short online check with the real decoder: lossless + measured speed
     online_path = run_dir / "online.json"
