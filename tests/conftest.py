@@ -18,6 +18,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # run in float32 on every machine (tests/test_fast_paths.py covers the choice itself).
 os.environ.setdefault("SPECSTOP_CPU_DTYPE", "float32")
 
+try:
+    # Lightning gives its loggers a stream handler bound to sys.stderr when first imported: import it
+    # here, so the handler holds the real stderr rather than the capture of whichever test imported it
+    # first (closed once that test ends, every later log line would raise "I/O operation on closed file").
+    import lightning.pytorch  # noqa: F401
+except ImportError:  # the core install has no Lightning
+    pass
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = REPO.parent / "shared" / "datasets"
 
