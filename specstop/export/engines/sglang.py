@@ -9,12 +9,23 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from specstop.export.engines.base import Context, Engine, bad, flag_value, is_int, side_file
+from specstop.decode.sglang_policy import POLICY_CLASS, read_tiers
+from specstop.errors import UserError
+from specstop.export.engines.base import Context, Engine, bad, flag_value, side_file
 from specstop.export.engines.pricing import schedule_rows
 from specstop.outputs import atomic_write_text
 
 #: Where ``write_engine_settings`` puts SGLang's adaptive-speculation tiers (a JSON file it reads by path).
 SGLANG_ADAPTIVE_FILE = "sglang_adaptive.json"
+#: Which SGLang workers can run the policy: those that build an ``AdaptiveController`` (python/sglang/srt/
+#: speculative/adaptive_runtime_state.py; adaptive_spec_params.py ``adaptive_unsupported_reason``;
+#: standalone_worker.py), at the revisions read.
+POLICY_APPLIES_TO = (
+    "workers that build SGLang's AdaptiveController and take an injected policy (sgl-project/sglang#37274): a "
+    "plugin algorithm registered with SpeculativeAlgorithm.register; SGLang's EAGLE/EAGLE3 workers build theirs with "
+    "its own EMA policy (fed these tiers by --speculative-adaptive-config). The STANDALONE worker (a separate draft "
+    "model, as tuned here) has no adaptive controller, so there the static --speculative-num-steps runs"
+)
 
 
 def _launch(target: str, flags: list[str]) -> str:
@@ -49,10 +60,23 @@ def _schedule(sched: dict, draft: str, target: str, folder: str | None) -> dict:
         notes.append("the schedule runs no speculation at any batch size: serve without --speculative-algorithm")
         return {"adaptive_config": None, "flags": [], "command": _launch(target, []),
                 "by_batch_size": schedule_rows(sched, ks), "notes": notes}
-    flags = [*_draft_flags(draft, start),
-             "--speculative-adaptive", "--speculative-adaptive-config", side_file(folder, SGLANG_ADAPTIVE_FILE)]
+    tiers_path = side_file(folder, SGLANG_ADAPTIVE_FILE)
+    flags = [*_draft_flags(draft, start), "--speculative-adaptive", "--speculative-adaptive-config", tiers_path]
     return {"adaptive_config": tiers, "flags": flags, "command": _launch(target, flags),
-            "by_batch_size": schedule_rows(sched, ks), "notes": notes}
+            "policy": _policy(tiers_path), "by_batch_size": schedule_rows(sched, ks), "notes": notes}
+
+
+def _policy(tiers_path: str) -> dict:
+    """How SGLang code runs the same tiers as specstop's ``AdaptiveSpecPolicy`` (an injected policy keeps the
+    tuned K per batch size; SGLang's own EMA policy moves among candidates by acceptance)."""
+    return {
+        "class": POLICY_CLASS,
+        "tiers": tiers_path,
+        "usage": ("from specstop.decode.sglang_policy import SpecstopAdaptivePolicy; "
+                  f"policy = SpecstopAdaptivePolicy.from_file({tiers_path!r}, "
+                  "initial_steps=worker.speculative_num_steps); controller = AdaptiveController(worker, policy)"),
+        "applies_to": POLICY_APPLIES_TO,
+    }
 
 
 def _check(flags: Any, adaptive: Any, where: str) -> None:
@@ -75,19 +99,10 @@ def _check(flags: Any, adaptive: Any, where: str) -> None:
         return
     if "--speculative-adaptive" not in flags:
         raise bad("sglang", f"{where}: an adaptive config needs --speculative-adaptive")
-    if not isinstance(adaptive, dict) or not adaptive:
-        raise bad("sglang", f"{where}: the adaptive config must map batch sizes to {{candidate_steps: [...]}}")
-    keys, union = [], set()
-    for key, tier in adaptive.items():
-        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
-            raise bad("sglang", f"{where}: adaptive tier key {key!r} must be a batch size written as digits")
-        cand = tier.get("candidate_steps") if isinstance(tier, dict) else None
-        if not isinstance(cand, list) or not cand or not all(is_int(c) and c >= 0 for c in cand):
-            raise bad("sglang", f"{where}: tier {key} candidate_steps must be a non-empty list of integers >= 0")
-        keys.append(int(key))
-        union.update(cand)
-    if keys != sorted(keys) or keys[0] != 1:
-        raise bad("sglang", f"{where}: adaptive tier batch sizes must ascend from 1, got {keys}")
+    try:  # the policy's own reader: the tiers it would run
+        union = set(read_tiers(adaptive, f"{where} adaptive_config").values())
+    except UserError as err:
+        raise bad("sglang", str(err).split("; ")[0]) from None
     if steps not in union:
         raise bad("sglang", f"{where}: --speculative-num-steps {steps} is not among the tiers' candidate_steps "
                   f"{sorted(union)} (SGLang refuses that)")
@@ -100,6 +115,14 @@ def _check_option(opt: dict, where: str) -> None:
 def _check_schedule(sched: dict, where: str) -> None:
     if sched.get("adaptive_config") is not None:
         _check(sched.get("flags"), sched["adaptive_config"], where)
+    policy = sched.get("policy")
+    if policy is not None:
+        if not isinstance(policy, dict) or policy.get("class") != POLICY_CLASS:
+            raise bad("sglang", f"{where}: policy.class must be {POLICY_CLASS}")
+        if not isinstance(policy.get("tiers"), str) or not policy["tiers"].endswith(SGLANG_ADAPTIVE_FILE):
+            raise bad("sglang", f"{where}: policy.tiers must name the {SGLANG_ADAPTIVE_FILE} written beside it")
+        if sched.get("adaptive_config") is None:
+            raise bad("sglang", f"{where}: a policy needs the adaptive_config tiers it runs")
 
 
 def _side_files(out: Path, settings: dict) -> None:

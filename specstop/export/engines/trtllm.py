@@ -119,5 +119,16 @@ def _side_files(out: Path, settings: dict) -> None:
                           yaml.safe_dump({**body, "speculative_config": conf}, sort_keys=False))
 
 
+#: Why no confidence-scheduling files are written (tensorrt_llm/llmapi/llm_args.py DSparkDecodingConfig;
+#: tensorrt_llm/_torch/speculative/dspark_planner.py, dspark_sts.py, read at NVIDIA/TensorRT-LLM 7fbff6f7, 0ee1e73f).
+CONFIDENCE_SCHEDULING_NOTE = (
+    "not written: TensorRT-LLM's confidence scheduling (enable_confidence_scheduling) is a DSpark option "
+    "(decoding_type DSpark): it trims the verify of DSpark's own drafted blocks by its confidence head, reading "
+    "a whole-step cost table T(G, V) measured in the live engine and bound to its fingerprint "
+    "(confidence_sps_table_path, schema_version 2) and per-position temperatures for that head "
+    "(confidence_sts_path). A Draft_Target pair has no confidence head, and specstop's step costs are not those "
+    "cells; what applies is speculative_config above and its draft_len_schedule"
+)
 ENGINE = Engine(name="trtllm", policies=("static_opt",), option=_option, check_option=_check_option,
-                schedule=_schedule, check_schedule=_check_schedule, side_files=_side_files)
+                schedule=_schedule, check_schedule=_check_schedule, side_files=_side_files,
+                extra={"confidence_scheduling": CONFIDENCE_SCHEDULING_NOTE})
