@@ -23,8 +23,8 @@ with SGLang's EMA policy, a plugin algorithm (``SpeculativeAlgorithm.register``)
 inject this one, and the ``STANDALONE`` worker (a separate draft model, the pairs specstop tunes) has
 no adaptive controller. See ``docs/engines.md``.
 
-This module imports nothing beyond the standard library and :mod:`specstop.errors`, so it loads in
-SGLang's environment with specstop installed and no extras.
+The tiers are read by :func:`specstop.export.engines.sglang.read_tiers`, the rule the export's validator
+applies too. The module needs specstop's core install only (no extras).
 """
 
 from __future__ import annotations
@@ -34,46 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from specstop.errors import UserError
+from specstop.export.engines.sglang import POLICY_CLASS, TIERS_FIX, read_tiers
 
-#: The import path SGLang code names to construct this policy.
-POLICY_CLASS = "specstop.decode.sglang_policy.SpecstopAdaptivePolicy"
-_FIX = "write the tiers with `specstop export --for sglang` from a tuned file with a batch schedule"
-
-
-def read_tiers(data: Any, where: str = "adaptive tiers") -> dict[int, int]:
-    """The tuned K per tier from SGLang's adaptive-config form.
-
-    Args:
-        data: ``{"B": {"candidate_steps": [K]}, ...}`` - batch sizes as digit strings ascending from "1",
-            each with one step count K >= 0 (0: no drafting at those batch sizes).
-        where: names the file or field in errors.
-
-    Returns:
-        ``{B: K}`` with batch sizes ascending.
-
-    Raises:
-        UserError: a key that is not a batch size, keys not ascending from 1, or a tier without exactly
-            one integer step count >= 0.
-    """
-    if not isinstance(data, dict) or not data:
-        raise UserError(f"{where}: must map batch sizes to {{candidate_steps: [K]}}; {_FIX}")
-    tiers: dict[int, int] = {}
-    for key, tier in data.items():
-        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
-            raise UserError(f"{where}: tier key {key!r} must be a batch size written as digits; {_FIX}")
-        cand = tier.get("candidate_steps") if isinstance(tier, dict) else None
-        # One candidate pins the tuned K: SGLang's EMA policy would move among several by acceptance,
-        # which is not what the schedule was tuned for.
-        if not isinstance(cand, list) or len(cand) != 1 or not isinstance(cand[0], int) \
-                or isinstance(cand[0], bool) or cand[0] < 0:
-            raise UserError(f"{where}: tier {key} candidate_steps must be a non-empty list holding one integer "
-                            f">= 0 (the tuned K), got {cand!r}; {_FIX}")
-        tiers[int(key)] = cand[0]
-    keys = list(tiers)
-    if keys != sorted(keys) or keys[0] != 1:
-        raise UserError(f"{where}: tier batch sizes must ascend from 1, got {keys}; {_FIX}")
-    return tiers
-
+__all__ = ["POLICY_CLASS", "SpecstopAdaptivePolicy"]
 
 class SpecstopAdaptivePolicy:
     """SGLang ``AdaptiveSpecPolicy`` that runs specstop's tuned K per batch size.
@@ -109,9 +72,9 @@ class SpecstopAdaptivePolicy:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise UserError(f"{path}: no such tiers file; {_FIX}") from None
+            raise UserError(f"{path}: no such tiers file; {TIERS_FIX}") from None
         except (OSError, ValueError) as err:
-            raise UserError(f"{path}: not a readable JSON tiers file ({err}); {_FIX}") from None
+            raise UserError(f"{path}: not a readable JSON tiers file ({err}); {TIERS_FIX}") from None
         return cls(read_tiers(data, str(path)), initial_steps)
 
     @property

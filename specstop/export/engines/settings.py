@@ -7,15 +7,18 @@ from pathlib import Path
 from typing import Any
 
 from specstop.errors import UserError
-from specstop.export.engines import hf, llamacpp, sglang, trtllm, vllm
 from specstop.export.engines.base import Context, Engine, bad, policy_entry, side_file
+from specstop.export.engines.hf import ENGINE as HF
+from specstop.export.engines.llamacpp import ENGINE as LLAMACPP
 from specstop.export.engines.pricing import prediction, priced_by, stats
 from specstop.export.engines.schedule import check_schedule_rows, read_batch_schedule
+from specstop.export.engines.sglang import ENGINE as SGLANG
+from specstop.export.engines.trtllm import ENGINE as TRTLLM
+from specstop.export.engines.vllm import ENGINE as VLLM
 from specstop.outputs import atomic_write_text
 
 #: Every engine specstop writes settings for, by its ``--for`` name.
-REGISTRY: dict[str, Engine] = {e.name: e for e in (hf.ENGINE, vllm.ENGINE, llamacpp.ENGINE, sglang.ENGINE,
-                                                    trtllm.ENGINE)}
+REGISTRY: dict[str, Engine] = {e.name: e for e in (HF, VLLM, LLAMACPP, SGLANG, TRTLLM)}
 ENGINES = tuple(REGISTRY)
 #: Engines whose settings file carries the tuned batch schedule (HF assisted generation runs batch 1 only).
 SCHEDULE_ENGINES = tuple(name for name, e in REGISTRY.items() if e.schedule is not None)

@@ -9,11 +9,49 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from specstop.decode.sglang_policy import POLICY_CLASS, read_tiers
 from specstop.errors import UserError
 from specstop.export.engines.base import Context, Engine, bad, flag_value, side_file
 from specstop.export.engines.pricing import schedule_rows
 from specstop.outputs import atomic_write_text
+
+#: The import path SGLang code names to construct this policy.
+POLICY_CLASS = "specstop.decode.sglang_policy.SpecstopAdaptivePolicy"
+TIERS_FIX = "write the tiers with `specstop export --for sglang` from a tuned file with a batch schedule"
+
+
+def read_tiers(data: Any, where: str = "adaptive tiers") -> dict[int, int]:
+    """The tuned K per tier from SGLang's adaptive-config form.
+
+    Args:
+        data: ``{"B": {"candidate_steps": [K]}, ...}`` - batch sizes as digit strings ascending from "1",
+            each with one step count K >= 0 (0: no drafting at those batch sizes).
+        where: names the file or field in errors.
+
+    Returns:
+        ``{B: K}`` with batch sizes ascending.
+
+    Raises:
+        UserError: a key that is not a batch size, keys not ascending from 1, or a tier without exactly
+            one integer step count >= 0.
+    """
+    if not isinstance(data, dict) or not data:
+        raise UserError(f"{where}: must map batch sizes to {{candidate_steps: [K]}}; {TIERS_FIX}")
+    tiers: dict[int, int] = {}
+    for key, tier in data.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) < 1:
+            raise UserError(f"{where}: tier key {key!r} must be a batch size written as digits; {TIERS_FIX}")
+        cand = tier.get("candidate_steps") if isinstance(tier, dict) else None
+        # One candidate pins the tuned K: SGLang's EMA policy would move among several by acceptance,
+        # which is not what the schedule was tuned for.
+        if not isinstance(cand, list) or len(cand) != 1 or not isinstance(cand[0], int) \
+                or isinstance(cand[0], bool) or cand[0] < 0:
+            raise UserError(f"{where}: tier {key} candidate_steps must be a non-empty list holding one integer "
+                            f">= 0 (the tuned K), got {cand!r}; {TIERS_FIX}")
+        tiers[int(key)] = cand[0]
+    keys = list(tiers)
+    if keys != sorted(keys) or keys[0] != 1:
+        raise UserError(f"{where}: tier batch sizes must ascend from 1, got {keys}; {TIERS_FIX}")
+    return tiers
 
 #: Where ``write_engine_settings`` puts SGLang's adaptive-speculation tiers (a JSON file it reads by path).
 SGLANG_ADAPTIVE_FILE = "sglang_adaptive.json"
