@@ -38,6 +38,7 @@ from specstop.export.engines.sglang import POLICY_CLASS, TIERS_FIX, read_tiers
 
 __all__ = ["POLICY_CLASS", "SpecstopAdaptivePolicy"]
 
+
 class SpecstopAdaptivePolicy:
     """SGLang ``AdaptiveSpecPolicy`` that runs specstop's tuned K per batch size.
 
