@@ -351,12 +351,16 @@ def check_decoding(temperature: Any, top_k: Any, top_p: Any, prefix: str = "") -
     """The decoding transform's settings: temperature (:func:`check_temperature`), top_k an integer
     >= 0 (0 disables), top_p in (0, 1] (1 disables)."""
     check_temperature(temperature, f"{prefix}temperature")
+    check_top_k(top_k, f"{prefix}top_k")
+    check_range(f"{prefix}top_p", top_p, low=0.0, high=1.0, low_open=True)
+
+
+def check_top_k(value: Any, key: str = "top_k") -> None:
+    """An integer >= 0 (0 disables): ``2.5``, ``"5"`` and ``True`` are refused, not truncated or parsed."""
     import numbers
 
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise UserError(f"{prefix}top_k must be an integer >= 0 (0 disables), got {short(top_k)}")
-    check_range(f"{prefix}top_k", top_k, low=0)
-    check_range(f"{prefix}top_p", top_p, low=0.0, high=1.0, low_open=True)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise UserError(f"{key} must be an integer >= 0 (0 disables), got {short(value)}")
 
 
 def check_named_settings(values: dict[str, Any], spelled: Any = None) -> None:
@@ -381,7 +385,7 @@ def check_named_settings(values: dict[str, Any], spelled: Any = None) -> None:
         elif name == "temperature":
             check_temperature(value, key)
         elif name == "top_k":
-            check_range(key, value, low=0)
+            check_top_k(value, key)
         else:
             check_range(key, value, low=0.0, high=1.0, low_open=True)
 

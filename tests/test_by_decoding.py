@@ -172,6 +172,10 @@ def test_the_one_decoding_rule_holds_for_every_reader():
     with pytest.raises(UserError, match=r"by_decoding\[0\].decoding must be a mapping"):
         DecodingConfig.from_generation("greedy", "by_decoding[0].decoding")
     assert DecodingConfig.from_generation({"temperature": 1, "top_k": None, "max_new_tokens": 8}) == DecodingConfig(1.0)
+    from specstop.config_io import check_named_settings
+
+    with pytest.raises(UserError, match=r"data.top_k must be an integer >= 0 \(0 disables\), got 2.5"):
+        check_named_settings({"data.top_k": 2.5})  # a config or flag's top-k: the same rule (was accepted)
 
 
 @pytest.mark.parametrize("given", [{"temperature": 1.0}, "greedy", 0.7])
