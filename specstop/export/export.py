@@ -113,15 +113,15 @@ def _decoding_info(meta: dict, manifest: dict | None, where: str = "generation")
     gen = meta.get("generation") or (meta.get("manifest") or {}).get("generation") or (manifest or {}).get("generation")
     if not gen:
         return None
-    return {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
-
-
     from specstop.export.by_decoding import setting_of
 
     try:
         setting_of(gen, where)
     except UserError as err:
         raise ExportError(str(err)) from None
+    return {"temperature": gen.get("temperature"), "top_k": gen.get("top_k"), "top_p": gen.get("top_p")}
+
+
 # ---------------------------------------------------------------------- validation
 @torch.no_grad()
 def _feature_batch(predictor: StoppingPredictor, batch: int, seed: int = 0) -> torch.Tensor:
