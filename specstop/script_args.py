@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specstop.config_io import check_range
 from specstop.errors import MissingInputError, UserError
 
 #: The key that marks a JSON result as written by a script (its file name).
@@ -90,8 +90,10 @@ def _bounded(convert: type, low: float, *, above: bool, need: str) -> Callable[[
             value = convert(text)
         except ValueError:
             raise UserError(f"{text!r} is not {noun}; give {need}") from None
-        if not math.isfinite(value) or value < low or (above and value == low):
-            raise UserError(f"{text} is out of range; give {need}")
+        try:  # the one range rule of every setting (finite, the bound open or closed)
+            check_range("value", value, low=low, low_open=above)
+        except UserError:
+            raise UserError(f"{text} is out of range; give {need}") from None
         return value
 
     return check
@@ -122,8 +124,10 @@ positive_int_list = _as_type(_positive_ints, "positive_int_list")
 def unit_interval(text: str) -> float:
     """argparse type: a number in [0, 1] (a probability or a rate)."""
     value = nonnegative_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text} is out of range; give a number from 0 to 1")
+    try:
+        check_range("value", value, high=1.0)
+    except UserError:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a number from 0 to 1") from None
     return value
 
 
