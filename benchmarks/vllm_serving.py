@@ -20,9 +20,12 @@ time of those calls (prefill included, as a client sees it). Methods (``--method
   learned option of ``--engines`` exported with ``--for hf,vllm``);
 * ``specstop_heuristic``: ``--engines``' ``heuristic_opt`` through the proposer (only when named in
   ``--methods``);
+* ``runner_confidence`` / ``runner_learned``: the same confidence rule / learned export inside vLLM's own
+  batched draft-model runner (``worker_cls`` :mod:`specstop.decode.vllm_draft_runner`): the draft runs as
+  ``draft_kK``'s does, every request's draft stopped where the policy says, K capped at SL_max;
 * ``<proposer method>_int8`` / ``_int4``: the same with the draft's weights quantized as the proposer
   loads it (``--draft-quant``, ``specstop.pair.quantize``); ``--proposer-schedule B:K,...`` caps every
-  proposer method's drafts per batch size (K = 0: no drafts there).
+  proposer and runner method's drafts per batch size (K = 0: no drafts there).
 
 ``--engines DIR`` (a ``specstop export --for vllm`` folder) is used by option name as written, with
 the draft it names replaced by ``--draft`` (recorded in the output); its ``static_opt`` K joins the grid.
@@ -83,7 +86,12 @@ from pathlib import Path
 PROGRESS = "[vllm_serving]"
 DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
 PROPOSER_METHODS = ("specstop_confidence", "specstop_learned", "specstop_heuristic")
-ALL_METHODS = "no_spec, draft_kK, schedule, specstop_confidence, specstop_learned, specstop_heuristic"
+#: specstop's stop inside vLLM's own draft-model runner (a ``worker_cls``, the draft vLLM's own).
+RUNNER_METHODS = ("runner_confidence", "runner_learned")
+#: The ``vllm.LLM`` arguments a method sets beside the engine's.
+METHOD_ENGINE_ARGS = ("worker_cls", "async_scheduling")
+ALL_METHODS = ("no_spec, draft_kK, schedule, specstop_confidence, specstop_learned, specstop_heuristic, "
+               "runner_confidence, runner_learned")
 
 
 # ====================================================================== the vLLM worker (vLLM's venv)
@@ -134,8 +142,11 @@ def worker(job: dict) -> dict:
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
     sizes = list(job["batch_sizes"])
     greedy = {"temperature": 0.0, "ignore_eos": bool(job["ignore_eos"])}
-    params = SamplingParams(max_tokens=job["max_tokens"], **greedy)
-    warm = SamplingParams(max_tokens=job["warmup_tokens"], **greedy)
+    # --temperature / --top-p: every request samples at that setting (seeded per request, so each method
+    # draws from the same seeds); greedy by default
+    decoding = {**greedy, "temperature": job.get("temperature", 0.0), "top_p": job.get("top_p", 1.0)}
+    params = SamplingParams(max_tokens=job["max_tokens"], **decoding)
+    warm = SamplingParams(max_tokens=job["warmup_tokens"], **decoding)
     for m in job["methods"]:
         name = m["name"]
         res: dict = {"runs": []}
@@ -143,8 +154,10 @@ def worker(job: dict) -> dict:
         _say(f"{name}: starting the engine")
         t0 = time.perf_counter()
         try:
+            extra = {k: m[k] for k in METHOD_ENGINE_ARGS if m.get(k) is not None}
             llm = LLM(model=job["target"], speculative_config=m.get("speculative_config"),
-                      additional_config=m.get("additional_config") or {}, disable_log_stats=False, **job["engine"])
+                      additional_config=m.get("additional_config") or {}, disable_log_stats=False, **job["engine"],
+                      **extra)
         except Exception:  # noqa: BLE001 - reported in the output; the other methods still run
             res["error"] = traceback.format_exc()
             _say(f"{name}: the engine did not start")
@@ -157,7 +170,7 @@ def worker(job: dict) -> dict:
                 for b in sizes:
                     llm.generate(prompts[:b], warm, use_tqdm=False)
             res["warmup_s"] = time.perf_counter() - t0
-            if m.get("reference_logprobs"):  # untimed: the target's top-2 at every position, per B
+            if m.get("reference_logprobs") and not decoding["temperature"]:  # untimed: the target's top-2, per B
                 ref_params = SamplingParams(max_tokens=job["max_tokens"], logprobs=2, **greedy)
                 res["reference"] = {}
                 for b in sizes:
@@ -171,10 +184,15 @@ def worker(job: dict) -> dict:
                 for b in _rotated(sizes, job["b_shift"] + r):
                     before = spec_counters(llm)
                     walls, outs, phases, steps = [], [], [], []
-                    for batch in _batches(prompts, b):
+                    for j, batch in enumerate(_batches(prompts, b)):
                         timer.begin(len(batch))
+                        each = params if not decoding["temperature"] else [
+                            params.clone() for _ in batch]  # a seed per request: the same draws for every method
+                        if decoding["temperature"]:
+                            for i, sp in enumerate(each):
+                                sp.seed = 1000 * r + j * b + i
                         t = time.perf_counter()
-                        got = llm.generate(batch, params, use_tqdm=False)
+                        got = llm.generate(batch, each, use_tqdm=False)
                         walls.append(time.perf_counter() - t)
                         outs += [list(o.outputs[0].token_ids) for o in got]
                         phases.append(decode_phase(got))
@@ -193,6 +211,11 @@ def worker(job: dict) -> dict:
             proposers = live_proposers()
             if proposers:  # specstop's proposer ran: the engine's own step costs as it saw them
                 res["engine_costs"] = proposers[-1].engine_costs()
+            if m.get("worker_cls"):  # specstop's stop in vLLM's runner: its rounds, draft lengths, live pricing
+                from specstop.decode.vllm_draft_runner import live_runners
+
+                stops = live_runners()[-1].stops
+                res["runner_stats"] = {**stops.stats, "live": stops.live_record()}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
             _say(f"{name}: failed")
@@ -240,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_result_path,
         existing_dir,
         existing_path,
+        nonnegative_float,
         nonnegative_int,
         positive_float,
         positive_int,
@@ -264,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--split", default="test", help="the held-out split the prompts come from (its first N)")
     g.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens (default: stop at EOS)")
+    g.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                   help="sample every request at this temperature (seeded per request; default 0: greedy, outputs compared)")
+    g.add_argument("--top-p", type=unit_interval, default=1.0, help="top-p of sampled requests")
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {ALL_METHODS} (default: every method the inputs allow, "
@@ -282,8 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="specstop proposer draft weights: a comma list of none, int8, int4 (one method per scheme, "
                         "named METHOD_int4 etc.; specstop.pair.quantize)")
     g.add_argument("--proposer-schedule", default=None,
-                   help="B:K,... (as --schedule): a per-batch-size cap on every specstop proposer's drafts "
-                        "(K = 0: no drafts at those B)")
+                   help="B:K,... (as --schedule): a per-batch-size cap on the drafts of every specstop proposer "
+                        "and runner method (K = 0: no drafts at those B)")
     g = p.add_argument_group("timing")
     g.add_argument("--batch-sizes", default="1,2,4,8", help="B: concurrent requests per generate call")
     g.add_argument("--passes", type=positive_int, default=2, help="passes over the methods, the order rotated between them")
@@ -412,8 +439,17 @@ def _predicted_static(option: dict, k: int, tuned_k: int | None) -> dict | None:
     return _predicted_b1(option) if k == tuned_k else None
 
 
+def _cap_by_batch(method: dict, schedule: list[list[int]]) -> None:
+    """``--proposer-schedule`` on one method: vLLM's ``num_speculative_tokens_per_batch_size``, each K at most
+    the method's ``num_speculative_tokens``, and its label says so."""
+    conf = method["speculative_config"]
+    conf["num_speculative_tokens_per_batch_size"] = [[lo, hi, min(k, conf["num_speculative_tokens"])]
+                                                     for lo, hi, k in schedule]
+    method["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
+
+
 def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
-    """``--proposer-schedule`` applied to every specstop proposer method, then one copy of each per
+    """``--proposer-schedule`` applied to every specstop proposer and runner method, then one copy of each proposer per
     ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself). Predictions
     stay only on the methods that run the draft the engines file's cost model timed."""
     from specstop.pair.quantize import check_scheme
@@ -424,16 +460,15 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
     priced = ((_engines_file(args).get("cost_model") or {}).get("machine") or {}).get("draft_quant")
     out = []
     for m in methods:
+        if schedule and m["name"] in RUNNER_METHODS:  # vLLM passes its per-batch K to the runner as the cap
+            _cap_by_batch(m, schedule)
         if m["name"] not in PROPOSER_METHODS:
             if priced and m.get("predicted"):
                 m["predicted"] = None  # vLLM's own float draft runs these, not the timed quantized one
             out.append(m)
             continue
         if schedule:
-            conf = m["speculative_config"]
-            conf["num_speculative_tokens_per_batch_size"] = [[lo, hi, min(k, conf["num_speculative_tokens"])]
-                                                             for lo, hi, k in schedule]
-            m["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
+            _cap_by_batch(m, schedule)
         for scheme in schemes:
             if scheme is None:
                 if priced:
@@ -453,7 +488,7 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
 
 def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
     """Every method to run: ``{"name", "label", "speculative_config", "additional_config", "source"}``."""
-    from specstop.export.engines import vllm_proposer_config
+    from specstop.export.engines import vllm_proposer_config, vllm_runner_config
     from specstop.policy import PolicySpec
 
     methods = [{"name": "no_spec", "label": "vLLM, no speculation", "speculative_config": None, "source": "baseline"}]
@@ -496,36 +531,39 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
                         + ", ".join(f"B {lo}-{hi}: K {k}" for lo, hi, k in ranges), **sched})
     conf_opt = options.get("confidence_opt")
     if conf_opt:
-        conf, extra, replaced = _with_draft(conf_opt, draft, engine_draft)
+        _, _, replaced = _with_draft(conf_opt, draft, engine_draft)
         pol = conf_opt.get("policy") or {}
-        methods.append({"name": "specstop_confidence", "label": f"specstop proposer, confidence tau = "
-                        f"{pol.get('threshold', float('nan')):.4g}, SL_max {pol.get('sl_max')} (tuned confidence_opt)",
-                        "speculative_config": conf, "additional_config": extra, "source": "--engines confidence_opt",
-                        "draft_replaced": replaced, "predicted": _predicted_b1(conf_opt)})
+        spec = PolicySpec.from_dict(pol)
+        what = f"confidence tau = {spec.threshold:.4g}, SL_max {spec.cap} (tuned confidence_opt)"
+        origin = {"source": "--engines confidence_opt", "draft_replaced": replaced, "predicted": _predicted_b1(conf_opt)}
     else:
         spec = PolicySpec(kind="confidence", threshold=float(args.confidence), sl_max=int(args.sl_max))
-        conf, extra = vllm_proposer_config(draft, spec.to_dict(), spec.cap)
-        methods.append({"name": "specstop_confidence", "label": f"specstop proposer, confidence tau = {args.confidence:g}, "
-                        f"SL_max {args.sl_max}", "speculative_config": conf, "additional_config": extra,
-                        "source": "--confidence"})
+        what = f"confidence tau = {args.confidence:g}, SL_max {args.sl_max}"
+        origin = {"source": "--confidence"}
+    conf, extra = vllm_proposer_config(draft, spec.to_dict(), spec.cap)
+    methods.append({"name": "specstop_confidence", "label": f"specstop proposer, {what}", "speculative_config": conf,
+                    "additional_config": extra, **origin})
+    methods.append({"name": "runner_confidence", "label": f"specstop stop in vLLM's draft runner, {what}",
+                    **vllm_runner_config(draft, spec.to_dict(), spec.cap), **origin})
+    learned = [(n, o) for n, o in options.items() if (o.get("policy") or {}).get("kind") == "predictor"]
+    export, origin = None, {}
     if args.policy is not None:
+        export, origin = args.policy.expanduser().resolve(), {"source": "--policy"}
+    elif learned:
+        name, opt = learned[0]
+        export = Path(opt["additional_config"]["specstop"]["policy"])
+        origin = {"source": f"--engines {name}", "draft_replaced": _with_draft(opt, draft, engine_draft)[2],
+                  "predicted": _predicted_b1(opt)}
+    if export is not None:
         from specstop.export.runtime import StoppingPolicy
 
-        export = args.policy.expanduser().resolve()
         spec = StoppingPolicy.from_pretrained(export).spec
         conf, extra = vllm_proposer_config(draft, str(export), spec.cap)
         methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {spec.label} "
-                        f"(SL_max {spec.cap})", "speculative_config": conf, "additional_config": extra,
-                        "source": "--policy"})
-    else:
-        learned = [(n, o) for n, o in options.items() if (o.get("policy") or {}).get("kind") == "predictor"]
-        if learned:
-            name, opt = learned[0]
-            conf, extra, replaced = _with_draft(opt, draft, engine_draft)
-            methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {name} "
-                            f"(SL_max {conf['num_speculative_tokens']})", "speculative_config": conf,
-                            "additional_config": extra, "source": f"--engines {name}", "draft_replaced": replaced,
-                            "predicted": _predicted_b1(opt)})
+                        f"(SL_max {spec.cap})", "speculative_config": conf, "additional_config": extra, **origin})
+        methods.append({"name": "runner_learned", "label": f"specstop stop in vLLM's draft runner, learned "
+                        f"{spec.label} (SL_max {spec.cap})", **vllm_runner_config(draft, str(export), spec.cap),
+                        **origin})
     if options.get("heuristic_opt"):
         conf, extra, replaced = _with_draft(options["heuristic_opt"], draft, engine_draft)
         pol = options["heuristic_opt"].get("policy") or {}
@@ -680,7 +718,7 @@ def summarize(record: dict, tokenizer) -> dict:
                    "draft_len": spec["draft_tokens"] / spec["drafts"] if spec["drafts"] else None,
                    "acceptance": spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else None}
             base_runs = by.get(("no_spec", b), [])
-            if base_runs:
+            if base_runs and not record["settings"].get("temperature"):  # sampled outputs differ by design
                 ref = base_runs[0]["outputs"]
                 n = len(ref)
                 differing = []
@@ -728,11 +766,11 @@ def _method_by_b(record: dict, cell) -> list[str]:
 
 def runner_k(method: dict, b: int) -> int | None:
     """The K vLLM's own runner drafts at ``b`` rows for ``method`` (0 without speculation); None for
-    specstop's proposer, whose drafts vary."""
+    specstop's proposer and specstop's stop in vLLM's runner, whose drafts vary."""
     conf = method.get("speculative_config")
     if conf is None:
         return 0
-    if conf.get("method") == "custom_class":
+    if conf.get("method") == "custom_class" or method.get("worker_cls"):
         return None
     for lo, hi, k in conf.get("num_speculative_tokens_per_batch_size") or []:
         if lo <= b <= hi:
@@ -830,7 +868,11 @@ def markdown(record: dict) -> str:
     diffs = [(m["name"], b, d) for m in record["methods"] for b in sizes
              for d in (summary.get(m["name"], {}).get(str(b)) or {}).get("differing", [])]
     lines += ["", "## Outputs that differ from no_spec", ""]
-    if not diffs:
+    if record["settings"].get("temperature"):
+        lines.append(f"Sampled at T = {record['settings']['temperature']:g}, top-p {record['settings']['top_p']:g}: "
+                     "outputs are not compared token for token (sampling differs by design); that speculative "
+                     "sampling keeps the target's law is checked by chi-square in tests/test_vllm_engine.py.")
+    elif not diffs:
         lines.append("None: every method's greedy output equals vLLM's without speculation at every B, in every run.")
     for name, b, d in diffs:
         gap = f", target top-2 logit gap {d['target_top2_logit_gap']:.4f}" if "target_top2_logit_gap" in d else ""
@@ -851,6 +893,16 @@ def markdown(record: dict) -> str:
                 draft = ", ".join(f"B={b}: {v * 1e3:.1f} ms ({e['samples']['draft'][b]})" for b, v in e["draft_per_token"].items())
                 target = ", ".join(f"{k}: {v * 1e3:.0f} ms ({e['samples']['target'][k]})" for k, v in e["target_step"].items())
                 lines.append(f"- `{name}` pass {e['pass']}: draft per token {draft or '-'}; target step {target or '-'}")
+    if record.get("runner_stats"):
+        lines += ["", "## specstop's stop in vLLM's draft runner", "",
+                  "Per engine start: batched draft rounds, draft forwards, rows per draft length, the policy each "
+                  "decoding setting ran and live re-pricing's switches:", ""]
+        for name, entries in record["runner_stats"].items():
+            for e in entries:
+                lengths = ", ".join(f"{k}: {v}" for k, v in sorted(e["lengths"].items(), key=lambda kv: int(kv[0])))
+                switches = sum(len(r.get("switches", [])) for r in (e.get("live") or {}).values())
+                lines.append(f"- `{name}` pass {e['pass']}: {e['rounds']} rounds, {e['steps']} draft forwards, "
+                             f"lengths {{{lengths}}}, settings {e['settings']}, {switches} live switch(es)")
     if record.get("errors"):
         lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
                                            for n, errs in record["errors"].items() for e in errs]
@@ -910,10 +962,12 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         by_name = {m["name"]: m for m in methods}
         base = {"target": target, "engine": engine, "prompts": prompts, "batch_sizes": sizes, "max_tokens": args.max_new_tokens,
+                "temperature": args.temperature, "top_p": args.top_p,
                 "ignore_eos": args.ignore_eos, "warmup": args.warmup, "warmup_tokens": args.warmup_tokens,
                 "repeats": args.repeats}
         runs, starts, errors, versions, reference = [], [], {}, None, None
         engine_costs: dict[str, list] = {}
+        runner_stats: dict[str, list] = {}
         t_all = time.perf_counter()
         for p, order in enumerate(orders):
             groups = [[n] for n in order] if args.process == "engine" else [order]
@@ -921,6 +975,7 @@ def main(argv: list[str] | None = None) -> int:
                 job = {**base, "b_shift": p * args.repeats,
                        "methods": [{"name": n, "speculative_config": by_name[n]["speculative_config"],
                                     "additional_config": by_name[n].get("additional_config"),
+                                    **{k: by_name[n].get(k) for k in METHOD_ENGINE_ARGS},
                                     "reference_logprobs": n == "no_spec" and p == 0} for n in group]}
                 print(f"{PROGRESS} pass {p + 1}/{args.passes}: {', '.join(group)}", flush=True)
                 result, err, wall = run_worker(python, job, logs, f"pass{p + 1}_{gi:02d}_{'+'.join(group)}"[:120], env)
@@ -941,6 +996,8 @@ def main(argv: list[str] | None = None) -> int:
                         reference = res["reference"]
                     if res.get("engine_costs"):
                         engine_costs.setdefault(n, []).append({"pass": p + 1, **res["engine_costs"]})
+                    if res.get("runner_stats"):
+                        runner_stats.setdefault(n, []).append({"pass": p + 1, **res["runner_stats"]})
                     for r in res["runs"]:
                         runs.append({"method": n, "pass": p + 1, **r, "tok_s": r["tokens"] / max(r["wall_s"], 1e-9)})
         record = {
@@ -954,12 +1011,14 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"draft": draft, "target": target, "dtype": args.dtype, "prompt_source": args.prompt_source,
                          "template": args.template, "split": args.split, "prompt_ids": prompt_ids,
                          "prompt_lengths": [len(x) for x in prompts], "max_new_tokens": args.max_new_tokens,
-                         "ignore_eos": args.ignore_eos, "batch_sizes": sizes, "passes": args.passes, "repeats": args.repeats,
+                         "ignore_eos": args.ignore_eos, "temperature": args.temperature, "top_p": args.top_p,
+                         "batch_sizes": sizes, "passes": args.passes, "repeats": args.repeats,
                          "warmup": args.warmup, "warmup_tokens": args.warmup_tokens, "process": args.process,
                          "engine": engine, "method_orders": orders, "smoke": args.smoke},
             "methods": methods,
             "engine_starts": starts,
             "engine_costs": engine_costs,
+            "runner_stats": runner_stats,
             "priced_by": _engines_file(args).get("priced_by"),
             "runner_steps": ((((_engines_file(args).get("cost_model") or {}).get("fit") or {}).get("vllm_runner") or {})
                              .get("step_s")),

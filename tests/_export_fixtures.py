@@ -63,6 +63,20 @@ def _mid_gap(scores: torch.Tensor) -> float:
     return float((s[i - 1] + s[i]) / 2)
 
 
+def per_setting_copy(export: Path, out: Path, policies: dict[tuple[float, float], dict]) -> Path:
+    """A copy of ``export`` at ``out`` tuned per decoding setting: ``{(temperature, top_p): policy spec}`` as its
+    ``by_decoding`` entries (no top-k)."""
+    import json
+    import shutil
+
+    shutil.copytree(export, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["by_decoding"] = [{"decoding": {"temperature": t, "top_k": 0, "top_p": p}, "policy": spec}
+                          for (t, p), spec in policies.items()]
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def random_exports(tmp: Path, pair) -> dict[str, Path]:
     """Random-init disco_ffn and specdecpp_resnet exports for ``pair`` (thresholds chosen so both
     stop and continue decisions happen)."""

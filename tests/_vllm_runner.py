@@ -2,14 +2,18 @@
 
 Started by tests/test_vllm_engine.py with ``.venv-vllm/bin/python`` (vLLM lives in its own venv).
 JOB (JSON): ``{"target", "prompts": [[ids]], "max_tokens", "engine": {LLM kwargs}, "runs": [{"name",
-"speculative_config", "additional_config", "command"}]}``; a run's ``command`` (a ``vllm serve`` line) is
-parsed by vLLM's own serve parser and reported as ``parsed_command`` (model, speculative and additional
-config). Every run starts one engine (in this process: the
+"speculative_config", "additional_config", "worker_cls", "async_scheduling", "command"}], "sampled": {...}}``;
+a run's ``command`` (a ``vllm serve`` line) is parsed by vLLM's own serve parser and reported as
+``parsed_command`` (model, speculative and additional config, worker class, async scheduling). Every run
+starts one engine (in this process: the
 caller sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), decodes greedily the prompts one at a time (batch
-size 1) and then all at once (batch size len(prompts)), and shuts the engine down. OUT (JSON):
+size 1) and then all at once (batch size len(prompts)), and shuts the engine down. With ``sampled``
+(``{"prompt", "max_tokens", "groups": [{"n", "temperature", "top_p"}]}``) it then decodes every group's ``n``
+sampled requests of one prompt (request i of a group with seed i), all in one call. OUT (JSON):
 ``{name: {"batch1": [[ids]], "batched": [[ids]], "spec": {"batch1": counters, "batched": counters},
-"start_s", "generate_s", "error"}}``; spec counters are vLLM's own (drafts, draft tokens, accepted
-tokens) for that pass.
+"samples": [[[ids]] per group], "runner": stats, "start_s", "generate_s", "error"}}``; spec
+counters are vLLM's own (drafts, draft tokens, accepted tokens) for that pass; ``runner``: specstop's
+draft runner's counters (rows per draft length, the policy each decoding setting ran).
 """
 
 from __future__ import annotations
@@ -42,7 +46,26 @@ def parse_serve_command(command: str) -> dict:
     args.model = args.model_tag or args.model
     engine_args = AsyncEngineArgs.from_cli_args(args)
     return {"model": engine_args.model, "speculative_config": engine_args.speculative_config,
-            "additional_config": engine_args.additional_config or None}
+            "additional_config": engine_args.additional_config or None,
+            "worker_cls": None if engine_args.worker_cls == "auto" else engine_args.worker_cls,
+            "async_scheduling": engine_args.async_scheduling}
+
+
+def sample(llm, job: dict) -> list[list]:
+    """``job["sampled"]``'s requests, every group's in one call (request i of a group with seed i): per group,
+    its requests' token ids."""
+    from vllm import SamplingParams
+
+    s = job["sampled"]
+    prompt = {"prompt_token_ids": list(s["prompt"])}
+    params = [SamplingParams(temperature=g["temperature"], top_p=g.get("top_p", 1.0), max_tokens=s["max_tokens"],
+                             seed=i, ignore_eos=True) for g in s["groups"] for i in range(g["n"])]
+    ids = [list(o.outputs[0].token_ids) for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
+    out, at = [], 0
+    for g in s["groups"]:
+        out.append(ids[at: at + g["n"]])
+        at += g["n"]
+    return out
 
 
 def run(job: dict) -> dict:
@@ -62,9 +85,10 @@ def run(job: dict) -> dict:
                 continue
         t0 = time.perf_counter()
         try:
+            extra = {k: spec[k] for k in ("worker_cls", "async_scheduling") if spec.get(k) is not None}
             llm = LLM(model=job["target"], speculative_config=spec.get("speculative_config"),
                       additional_config=spec.get("additional_config") or {}, disable_log_stats=False,
-                      **job.get("engine", {}))
+                      **job.get("engine", {}), **extra)
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             res["error"] = traceback.format_exc()
             continue
@@ -76,6 +100,12 @@ def run(job: dict) -> dict:
             mid = spec_counters(llm)
             res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
             res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(spec_counters(llm), mid)}
+            if job.get("sampled"):
+                res["samples"] = sample(llm, job)
+            if spec.get("worker_cls"):
+                from specstop.decode.vllm_draft_runner import live_runners
+
+                res["runner"] = live_runners()[-1].stops.stats
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
         res["generate_s"] = time.perf_counter() - t0

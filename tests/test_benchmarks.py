@@ -194,14 +194,16 @@ def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
 @needs_vllm
 def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     """--smoke: a tiny pair vLLM serves, no speculation / vLLM's draft model / a batch schedule / specstop's
-    proposer with a confidence rule, at B = 1 and 2; lossless, vLLM's counters show each method's drafts."""
+    proposer and specstop's stop in vLLM's runner with a confidence rule, at B = 1 and 2; lossless, vLLM's
+    counters show each method's drafts."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out.json"
     assert run_script(BENCH / "vllm_serving.py", ["--smoke", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert [m["name"] for m in record["methods"]] == ["no_spec", "draft_k2", "schedule", "specstop_confidence",
-                                                      "specstop_confidence_int4"]
-    rows = _serving_rows(record, may_not_draft=(("specstop_confidence", 2), ("specstop_confidence_int4", 2)))
+                                                      "specstop_confidence_int4", "runner_confidence"]
+    rows = _serving_rows(record, may_not_draft=(("specstop_confidence", 2), ("specstop_confidence_int4", 2),
+                                                ("runner_confidence", 2)))
     assert set(rows) == {(m["name"], b) for m in record["methods"] for b in (1, 2)}
     assert rows["draft_k2", 1]["draft_len"] == rows["draft_k2", 2]["draft_len"] == 2
     assert rows["schedule", 1]["draft_len"] == 2 and 1 <= rows["schedule", 2]["draft_len"] < 1.5  # schedule 1:2,2:1
@@ -211,9 +213,14 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
         assert rows[name, 2]["spec"]["drafts"] < rows[name, 1]["spec"]["drafts"]
         costs = record["engine_costs"][name][0]
         assert costs["draft_per_token"]["1"] > 0 and all(v > 0 for v in costs["target_step"].values())
+    # specstop's stop in vLLM's own runner: batched rounds, drafts of the policy's lengths (SL_max 4)
+    assert 1 <= rows["runner_confidence", 1]["draft_len"] <= 4
+    assert rows["runner_confidence", 2]["spec"]["drafts"] < rows["runner_confidence", 1]["spec"]["drafts"]
+    stats = record["runner_stats"]["runner_confidence"][0]
+    assert stats["rounds"] > 0 and stats["settings"] == {"greedy": "confidence:0.4"}
     assert record["versions"]["vllm"] and record["versions"]["torch"] and record["host"]["cpu_model"]
     assert set(record["reference"]) == {"1", "2"}  # no_spec's top-2 logprobs, for the gap where outputs differ
-    assert len(record["runs"]) == 5 * 2 and not record["errors"]
+    assert len(record["runs"]) == 6 * 2 and not record["errors"]
     for (name, b), row in rows.items():  # every engine step timed: decode steps with all B rows, the tail apart
         steps = row["steps"]
         assert steps["full_steps"] > 0 and steps["full_median_s"] > 0 and 0 <= steps["partial_share"] < 1, (name, b)

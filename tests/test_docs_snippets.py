@@ -55,7 +55,7 @@ NOT_RUN = {
     ("docs/engines.md", "from vllm import LLM, SamplingParams"):
         "needs vLLM, which lives in its own venv (make vllm-env); tests/test_vllm_engine.py runs vllm.json's options "
         "in vLLM the same way",
-    ("docs/engines.md", 'extra["specstop"]["draft_quant"] = "int4"'):
+    ("docs/engines.md", 'vllm_proposer_config("DRAFT", option["policy"]'):
         "needs vLLM (its own venv); tests/test_vllm_engine.py::test_proposer_with_a_quantized_draft_and_a_batch_cap_is_lossless "
         "runs these settings in vLLM",
 }

@@ -54,13 +54,19 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
 
     vllm = engine_settings(tuned, "vllm", draft="d", target="t")
     assert list(vllm["options"]) == ["static_opt", "heuristic_opt", "confidence_opt"]
-    # a fixed K: vLLM's own draft-model proposer; the other rules: specstop's proposer class inside vLLM
+    # a fixed K: vLLM's own draft-model proposer; the confidence rule: specstop's stop inside that same runner
+    # (vLLM's worker with specstop's proposer); the heuristic: specstop's proposer class
     assert vllm["options"]["static_opt"]["speculative_config"] == {"model": "d", "num_speculative_tokens": 4}
     conf = vllm["options"]["confidence_opt"]
-    assert conf["speculative_config"] == {"method": "custom_class", "model": "specstop.decode.vllm_proposer.SpecstopProposer",
+    assert conf["speculative_config"] == {"method": "draft_model", "model": "d",
                                           "num_speculative_tokens": 12}  # SL_max: vLLM's cap on every draft
-    assert conf["additional_config"] == {"specstop": {"draft": "d", "policy": tuned["policies"]["confidence_opt"]["spec"]}}
+    assert conf["worker_cls"] == "specstop.decode.vllm_draft_runner.SpecstopWorker" and conf["async_scheduling"] is False
+    assert conf["additional_config"] == {"specstop": {"policy": tuned["policies"]["confidence_opt"]["spec"]}}
     assert "--additional-config" in conf["command"] and "pip install specstop" in conf["note"]
+    assert "--worker-cls specstop.decode.vllm_draft_runner.SpecstopWorker --no-async-scheduling" in conf["command"]
+    heur = vllm["options"]["heuristic_opt"]
+    assert heur["speculative_config"]["model"] == "specstop.decode.vllm_proposer.SpecstopProposer"
+    assert heur["additional_config"]["specstop"]["draft"] == "d"
     assert vllm["recommended"] == "confidence_opt"
 
     lc = engine_settings(tuned, "llamacpp", draft="d.gguf", target="t.gguf")
@@ -221,11 +227,17 @@ def test_export_writes_schedule_side_files(tmp_path, capsys):
         1, [3, 15, 6]), "non-overlapping"),
     ("vllm", lambda d: d["batch_schedule"]["speculative_config"]["num_speculative_tokens_per_batch_size"].__setitem__(
         1, [4, 15, 9]), "clamps"),
-    ("vllm", lambda d: d["options"]["confidence_opt"]["speculative_config"].update({"model": "my.Proposer"}),
+    ("vllm", lambda d: d["options"]["heuristic_opt"]["speculative_config"].update({"model": "my.Proposer"}),
      "must name specstop.decode.vllm_proposer.SpecstopProposer"),
-    ("vllm", lambda d: d["options"]["confidence_opt"].pop("additional_config"), "additional_config.specstop.draft"),
-    ("vllm", lambda d: d["options"]["confidence_opt"]["speculative_config"].update({"num_speculative_tokens": 4}),
-     "drafts up to 12 tokens"),
+    ("vllm", lambda d: d["options"]["heuristic_opt"].pop("additional_config"), "additional_config.specstop.draft"),
+    ("vllm", lambda d: d["options"]["confidence_opt"].pop("additional_config"), "additional_config.specstop must hold"),
+    ("vllm", lambda d: d["options"]["confidence_opt"].update({"worker_cls": "my.Worker"}), "worker_cls must be"),
+    ("vllm", lambda d: d["options"]["confidence_opt"].update({"async_scheduling": True}), "async_scheduling must be"),
+    ("vllm", lambda d: d["options"]["confidence_opt"]["additional_config"]["specstop"]["policy"].update(
+        {"kind": "heuristic"}), "does not run a 'heuristic' policy"),
+    ("vllm", lambda d: d["options"]["confidence_opt"].update(speculative_config={
+        **d["options"]["confidence_opt"]["speculative_config"], "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 100, 4]]}), "drafts up to 12 tokens"),
     ("vllm", lambda d: d["options"]["confidence_opt"]["additional_config"]["specstop"]["policy"].update(
         {"threshold": 3.0}), "threshold"),
     ("vllm", lambda d: d["options"]["static_opt"]["speculative_config"].update({"method": "eagle"}),

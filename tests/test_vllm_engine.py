@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("SPECSTOP_VLLM_VENV") or REPO / ".venv-vllm")
 VLLM_PY = VLLM_VENV / "bin" / "python"
 MAX_TOKENS = 32
+#: What an option of vllm.json hands ``vllm.LLM`` (and its ``command`` hands ``vllm serve``).
+ENGINE_KEYS = ("speculative_config", "additional_config", "worker_cls", "async_scheduling")
 PROMPTS = [[10, 20, 30, 40], [11, 21, 31], [12, 22, 32, 42, 52], [13, 23]]
 #: Engine settings that cut start-up to seconds on CPU: no compilation (eager), a short context, few sequences,
 #: the engine in this process and the single-process executor (no spawned engine core or worker).
@@ -48,9 +50,10 @@ def _vllm_env() -> dict:
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_vllm(tmp: Path, target: Path, runs: list[dict]) -> dict:
+def run_vllm(tmp: Path, target: Path, runs: list[dict], sampled: dict | None = None, engine: dict | None = None) -> dict:
     """tests/_vllm_runner.py on the vLLM venv: one engine per run, outputs and spec counters per run."""
-    job = {"target": str(target), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": ENGINE, "runs": runs}
+    job = {"target": str(target), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": {**ENGINE, **(engine or {})},
+           "runs": runs, "sampled": sampled}
     (tmp / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([str(VLLM_PY), str(REPO / "tests" / "_vllm_runner.py"), str(tmp / "job.json"),
                            str(tmp / "out.json")], env=_vllm_env(), capture_output=True, text=True, timeout=1200)
@@ -123,17 +126,15 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
     opts = settings["options"]
     assert set(opts) == {"static_opt", "heuristic_opt", "confidence_opt", "disco"}
     runs = [{"name": "plain"}]
-    runs += [{"name": name, "speculative_config": o["speculative_config"], "additional_config": o.get("additional_config"),
-              "command": o["command"]} for name, o in opts.items()]
+    runs += [{"name": name, **{k: o.get(k) for k in ENGINE_KEYS}, "command": o["command"]} for name, o in opts.items()]
     sched = settings["batch_schedule"]
     runs.append({"name": "batch_schedule", "speculative_config": sched["speculative_config"], "command": sched["command"]})
     res = run_vllm(tmp_path, pair_dir / "target", runs)
     for name, r in res.items():
         assert not r.get("error"), f"{name}:\n{r['error']}"
     for run in runs[1:]:  # each `vllm serve` command carries the same settings (vLLM's own serve parser reads it)
-        assert res[run["name"]]["parsed_command"] == {"model": str(pair_dir / "target"), "speculative_config":
-                                                      run["speculative_config"], "additional_config":
-                                                      run.get("additional_config")}, run["name"]
+        assert res[run["name"]]["parsed_command"] == {"model": str(pair_dir / "target"),
+                                                      **{k: run.get(k) for k in ENGINE_KEYS}}, run["name"]
     plain = res["plain"]
     assert plain["batch1"] == plain["batched"]  # batching alone changes nothing here
     assert all(len(o) == MAX_TOKENS for o in plain["batch1"])
@@ -154,9 +155,17 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
     assert per_draft("static_opt", "batch1") == per_draft("static_opt", "batched") == 3
     # (at batch size 4 the requests finish at different steps, and the last ones run at smaller batch sizes)
     assert per_draft("batch_schedule", "batch1") == 4 and 1 <= per_draft("batch_schedule", "batched") < 1.5
-    # specstop's proposer: drafts stop where the policy says, so their lengths vary below the cap
+    # specstop's stops: drafts stop where the policy says, so their lengths vary below the cap
     for name, cap in (("confidence_opt", 5), ("disco", 6), ("heuristic_opt", 6)):
         assert 1 <= per_draft(name, "batch1") < cap, (name, res[name]["spec"])
+    # the rule and the learned policy run inside vLLM's own batched draft-model runner: one round drafts every
+    # request together (fewer rounds than rows drafted), each request's draft cut at its own stop
+    for name in ("confidence_opt", "disco"):
+        assert opts[name]["speculative_config"]["method"] == "draft_model" and opts[name]["worker_cls"]
+        stats = res[name]["runner"]
+        assert stats["rounds"] < sum(stats["lengths"].values()), (name, stats)
+        assert len([n for n in stats["lengths"] if int(n) > 0]) > 1, (name, stats)
+    assert opts["heuristic_opt"]["speculative_config"]["method"] == "custom_class"  # learns across a request's rounds
 
 
 def test_runner_reports_a_setting_vllm_refuses(exported, tmp_path):
@@ -230,3 +239,93 @@ def test_calibrate_cost_times_vllms_own_draft_model_runner(exported, tmp_path, m
             # Each K started twice; the figure is the median of the two starts' medians of full-batch steps.
             assert len(v["starts"]) == 2 and v["step_s"] == pytest.approx(sum(v["starts"]) / 2)
             assert v["steps"] >= 2 and v["min_s"] <= v["step_s"] <= v["max_s"]
+
+
+SAMPLED = {"prompt": [10, 20, 30, 40], "max_tokens": 3,
+           "groups": [{"n": 600, "temperature": 0.7, "top_p": 0.9}, {"n": 40, "temperature": 1.0}]}
+
+
+def _second_token_law(target: Path, prompt: list[int], decoding):
+    """``[V]`` exact law of the second sampled token of ``prompt`` under ``decoding`` (transformers, float32):
+    sum over the first token t of P(t) P(. | t), over the model's whole logit row as vLLM samples it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specstop.probs import logits_to_probs
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], decoding)
+        support = torch.nonzero(first > 0).flatten()
+        ids = torch.cat([torch.tensor(prompt).repeat(len(support), 1), support[:, None]], dim=1)
+        second = logits_to_probs(model(ids).logits[:, -1], decoding)
+    return (first[support, None] * second).sum(0)
+
+
+def _chi_square_p(tokens: list[int], law) -> float:
+    """Chi-square goodness of fit of ``tokens`` to ``law`` (tokens whose expected count is under 5 pooled)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    n = len(tokens)
+    expected = law.double().numpy() * n
+    observed = np.bincount(tokens, minlength=len(expected)).astype(float)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+def test_sampled_requests_run_their_own_entry_in_vllms_runner_and_keep_the_targets_law(exported, tmp_path):
+    """Requests at T = 0.7, top-p 0.9 and at T = 1, decoded together by specstop's stop in vLLM's draft-model
+    runner: each runs its own by_decoding entry (logged; greedy requests, decoded before, theirs), and the
+    second sampled token (verified by vLLM's rejection sampler) follows the target's exact law (chi-square;
+    vLLM without speculation passes the same check).
+
+    Greedy requests are not mixed into the sampled batch: in vLLM's CPU build (0.32.0) a greedy request
+    verified in one batch with sampled ones does not keep the target's greedy output, with vLLM's own
+    draft-model runner as with this one (docs/engines.md)."""
+    import json as _json
+
+    from _export_fixtures import per_setting_copy
+
+    from specstop.export.engines import vllm_runner_config
+    from specstop.probs import DecodingConfig
+
+    pair_dir, settings = exported
+    export = Path(settings["options"]["disco"]["additional_config"]["specstop"]["policy"])
+    greedy_spec = _json.loads((export / "config.json").read_text())["policy"]
+    per_setting = per_setting_copy(export, tmp_path / "disco_per_setting", {
+        (0.0, 1.0): greedy_spec, (0.7, 0.9): {**greedy_spec, "sl_max": 3}, (1.0, 1.0): {**greedy_spec, "sl_max": 2}})
+    runner = vllm_runner_config(str(pair_dir / "draft"), str(per_setting), 6)
+    res = run_vllm(tmp_path, pair_dir / "target", [{"name": "plain"}, {"name": "runner", **runner}],
+                   sampled=SAMPLED, engine={"max_num_seqs": 32})
+    for name, r in res.items():
+        assert not r.get("error"), f"{name}:\n{r['error']}"
+    plain, spec = res["plain"], res["runner"]
+    assert spec["batch1"] == plain["batch1"] and spec["batched"] == plain["batched"]
+    labels = spec["runner"]["settings"]
+    assert set(labels) == {"greedy", "T=0.7, top-p 0.9", "T=1"}, labels  # one policy per setting met
+    assert all(label.endswith(f" @ {name}") for name, label in labels.items()), labels  # each its own entry
+    assert spec["spec"]["batched"]["accepted_tokens"] > 0
+    law = _second_token_law(pair_dir / "target", SAMPLED["prompt"], DecodingConfig(temperature=0.7, top_p=0.9))
+    for name in ("plain", "runner"):
+        p_value = _chi_square_p([ids[1] for ids in res[name]["samples"][0]], law)
+        assert p_value > 1e-3, f"{name}: the second token departs from the target's law (p = {p_value:.2g})"
+
+
+def test_the_draft_runner_refuses_what_it_cannot_run_in_one_line(exported, tmp_path):
+    """specstop's worker in vLLM: no policy setting, a heuristic schedule, or vLLM's own draft method missing
+    are each refused when the engine starts, naming the fix."""
+    from specstop.export.engines import vllm_runner_config
+
+    pair_dir, _ = exported
+    runner = vllm_runner_config(str(pair_dir / "draft"), {"kind": "heuristic", "start": 2, "sl_max": 4}, 4)
+    runs = [{"name": "heuristic", **runner},
+            {"name": "no_policy", **{**runner, "additional_config": {}}},
+            {"name": "no_draft_model", **{k: v for k, v in runner.items() if k != "speculative_config"}}]
+    res = run_vllm(tmp_path, pair_dir / "target", runs)
+    assert "the heuristic schedule learns across each request's rounds" in res["heuristic"]["error"]
+    assert "needs additional_config={'specstop': {'policy': POLICY}}" in res["no_policy"]["error"]
+    assert "needs speculative_config method 'draft_model'" in res["no_draft_model"]["error"]

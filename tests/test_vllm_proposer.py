@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _export_fixtures import random_exports, single_thread  # noqa: F401 - tiny models run faster on one thread
+from _export_fixtures import per_setting_copy, random_exports, single_thread  # noqa: F401 - tiny models run faster on one thread
 
 from specstop.decode.vllm_proposer import SpecstopProposer, dynamic_k_lookup
 from specstop.errors import UserError
@@ -279,18 +279,8 @@ def test_cost_sweep_drafts_exactly_each_k_and_times_it(tiny_pair_dir, loaded):
 @pytest.fixture
 def per_setting_export(tmp_path, exports):
     """The static export, tuned per setting: K 3 for greedy requests, K 1 at T = 1."""
-    import json
-    import shutil
-
-    out = tmp_path / "per_setting"
-    shutil.copytree(exports["static"], out)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["by_decoding"] = [
-        {"decoding": {"temperature": 0.0, "top_k": 0, "top_p": 1.0}, "policy": {"kind": "static", "k": 3}},
-        {"decoding": {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, "policy": {"kind": "static", "k": 1}},
-    ]
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return per_setting_copy(exports["static"], tmp_path / "per_setting",
+                            {(0.0, 1.0): {"kind": "static", "k": 3}, (1.0, 1.0): {"kind": "static", "k": 1}})
 
 
 def test_a_policy_per_setting_runs_the_entry_the_settings_name_and_says_which_without_one(

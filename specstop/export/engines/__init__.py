@@ -62,14 +62,17 @@ from specstop.export.engines.vllm import (
     RUNNER_PRICED,
     VLLM_PROPOSER_CLASS,
     VLLM_PROPOSER_NOTE,
+    VLLM_RUNNER_NOTE,
     VLLM_SETTINGS_KEY,
+    VLLM_WORKER_CLASS,
     vllm_proposer_config,
+    vllm_runner_config,
 )
 
 __all__ = [
     "BATCH_SCHEDULE_FORMAT", "ENGINES", "HF_NOTE", "LLAMACPP_DRAFT_TYPE", "REGISTRY", "RUNNER_PRICED",
     "SCHEDULE_ENGINES", "SGLANG_ADAPTIVE_FILE", "TRTLLM_DECODING_TYPE", "VLLM_PROPOSER_CLASS", "VLLM_PROPOSER_NOTE",
-    "VLLM_SETTINGS_KEY", "Context", "Engine", "engine_schedule", "engine_settings", "hf_policy_usage", "hf_usage",
+    "VLLM_RUNNER_NOTE", "VLLM_SETTINGS_KEY", "VLLM_WORKER_CLASS", "Context", "Engine", "engine_schedule", "engine_settings", "hf_policy_usage", "hf_usage",
     "llamacpp_flags", "llamacpp_rule_prediction", "priced_by", "read_batch_schedule", "side_file", "summary_line",
-    "trtllm_options_file", "validate_engine_file", "vllm_proposer_config", "write_engine_settings",
+    "trtllm_options_file", "validate_engine_file", "vllm_proposer_config", "vllm_runner_config", "write_engine_settings",
 ]

@@ -1,6 +1,8 @@
 """vLLM: ``speculative_config.num_speculative_tokens`` = static K for vLLM's own draft-model proposer; the
-heuristic, confidence and learned policies through specstop's proposer class (``method: custom_class``,
-:mod:`specstop.decode.vllm_proposer`), set up by ``additional_config``; the batch schedule as
+confidence and learned policies inside that same batched runner, stopped per request by specstop
+(``worker_cls``: :mod:`specstop.decode.vllm_draft_runner`); the heuristic schedule and any policy on a
+quantized draft through specstop's proposer class (``method: custom_class``,
+:mod:`specstop.decode.vllm_proposer`); both set up by ``additional_config``; the batch schedule as
 ``num_speculative_tokens_per_batch_size``. Where ``calibrate-cost --engine vllm`` timed vLLM's draft-model
 runner, the options vLLM runs itself are re-priced with those steps."""
 
@@ -24,16 +26,50 @@ VLLM_PROPOSER_NOTE = (
     "environment (pip install specstop, no extras); it drafts with the draft model through transformers, one request "
     "after another, and vLLM verifies every draft (lossless)"
 )
+#: vLLM's worker class that runs specstop's stop inside vLLM's own batched draft-model runner.
+VLLM_WORKER_CLASS = "specstop.decode.vllm_draft_runner.SpecstopWorker"
+VLLM_RUNNER_NOTE = (
+    "runs specstop's stop inside vLLM's own draft-model runner (worker_cls): install specstop into vLLM's "
+    "environment (pip install specstop, no extras); the draft runs batched on vLLM's kernels and cache, each "
+    "request's draft stops where its policy says (its own sampling setting's entry), and vLLM verifies every draft "
+    "(lossless); needs async scheduling off (the CPU build has none)"
+)
 #: How the options vLLM runs itself are priced where its draft-model runner was timed.
 RUNNER_PRICED = ("vLLM's own draft-model runner, its decode step timed at each K and without speculation by "
                  "`specstop calibrate-cost --engine vllm`")
 
 
-def _vllm_command(target: str, conf: dict, additional: dict | None = None) -> str:
+def _vllm_command(target: str, conf: dict, additional: dict | None = None, worker_cls: str | None = None) -> str:
     cmd = f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(conf))}"
     if additional is not None:
         cmd += f" --additional-config {shlex.quote(json.dumps(additional))}"
+    if worker_cls is not None:
+        cmd += f" --worker-cls {shlex.quote(worker_cls)} --no-async-scheduling"
     return cmd
+
+
+def _capped(schedule: list, cap: int) -> list[list[int]]:
+    """``[[lo, hi, K], ...]`` with every K at most ``cap`` (vLLM clamps larger ones, and predictions assume it)."""
+    return [[int(a), int(b), min(int(k), int(cap))] for a, b, k in schedule]
+
+
+def vllm_runner_config(draft: str, policy: dict | str, cap: int, *, schedule: list | None = None) -> dict:
+    """The engine settings that run ``policy`` (a rule's policy spec dict, a policy string or a learned
+    policy's export folder) inside vLLM's own batched draft-model runner on ``draft``:
+    ``{"speculative_config", "additional_config", "worker_cls", "async_scheduling"}``, each an ``LLM``
+    keyword. ``cap`` (SL_max) is ``num_speculative_tokens``; ``schedule`` caps it per batch size as vLLM's
+    ``num_speculative_tokens_per_batch_size`` does for its own runner."""
+    conf = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(cap)}
+    if schedule:
+        conf["num_speculative_tokens_per_batch_size"] = _capped(schedule, cap)
+    return {"speculative_config": conf, "additional_config": {VLLM_SETTINGS_KEY: {"policy": policy}},
+            "worker_cls": VLLM_WORKER_CLASS, "async_scheduling": False}
+
+
+def _runner_option(draft: str, target: str, policy: dict | str, cap: int) -> dict:
+    opt = vllm_runner_config(draft, policy, cap)
+    return {**opt, "command": _vllm_command(target, opt["speculative_config"], opt["additional_config"],
+                                            opt["worker_cls"]), "note": VLLM_RUNNER_NOTE}
 
 
 def vllm_proposer_config(draft: str, policy: dict | str, cap: int, *, draft_quant: str | None = None,
@@ -46,7 +82,7 @@ def vllm_proposer_config(draft: str, policy: dict | str, cap: int, *, draft_quan
     number of requests in the step (K = 0: no drafts at those batch sizes)."""
     conf = {"method": "custom_class", "model": VLLM_PROPOSER_CLASS, "num_speculative_tokens": int(cap)}
     if schedule:
-        conf["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(k), int(cap))] for a, b, k in schedule]
+        conf["num_speculative_tokens_per_batch_size"] = _capped(schedule, cap)
     settings: dict = {"draft": draft, "policy": policy}
     if draft_quant:
         settings["draft_quant"] = draft_quant
@@ -60,21 +96,22 @@ def _option(entry: dict, ctx: Context) -> dict:
         return {"speculative_config": conf, "command": _vllm_command(ctx.target, conf)}
     from specstop.policy import PolicySpec
 
-    conf, additional = vllm_proposer_config(ctx.draft, spec, PolicySpec.from_dict(spec).cap, draft_quant=ctx.draft_quant)
+    cap = PolicySpec.from_dict(spec).cap
+    if spec["kind"] == "confidence" and not ctx.draft_quant:  # per request, inside vLLM's own runner
+        return _runner_option(ctx.draft, ctx.target, spec, cap)
+    conf, additional = vllm_proposer_config(ctx.draft, spec, cap, draft_quant=ctx.draft_quant)
     return {"speculative_config": conf, "additional_config": additional,
             "command": _vllm_command(ctx.target, conf, additional), "note": VLLM_PROPOSER_NOTE}
 
 
 def _learned(entry: dict, export: str, ctx: Context) -> dict | None:
-    """A learned predictor through specstop's proposer (not with a quantized draft: its features come from
-    the float draft)."""
+    """A learned predictor inside vLLM's own draft-model runner (not with a quantized draft: its features come
+    from the float draft)."""
     if entry["spec"]["kind"] != "predictor" or ctx.draft_quant:
         return None
     from specstop.policy import PolicySpec
 
-    conf, additional = vllm_proposer_config(ctx.draft, export, PolicySpec.from_dict(entry["spec"]).cap)
-    return {"speculative_config": conf, "additional_config": additional,
-            "command": _vllm_command(ctx.target, conf, additional), "note": VLLM_PROPOSER_NOTE}
+    return _runner_option(ctx.draft, ctx.target, export, PolicySpec.from_dict(entry["spec"]).cap)
 
 
 # ---------------------------------------------------------------- costs: vLLM's own draft-model runner
@@ -162,11 +199,11 @@ def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
         return
     for opt in options.values():
         conf = opt.get("speculative_config") or {}
-        if conf.get("method") != "custom_class":
+        if conf.get("method") != "custom_class" and not opt.get("worker_cls"):
             continue
         cap = int(conf["num_speculative_tokens"])
         conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(entries, lambda k, cap=cap: cap if k > 0 else 0)
-        opt["command"] = _vllm_command(target, conf, opt.get("additional_config"))
+        opt["command"] = _vllm_command(target, conf, opt.get("additional_config"), opt.get("worker_cls"))
         opt["batch_caps_note"] = ("drafts only at the batch sizes where the tuned batch schedule speculates "
                                   "(K = 0 elsewhere: the draft's cost there exceeds what it saves)")
 
@@ -223,6 +260,30 @@ def _check_proposer(conf: dict, additional: Any, where: str) -> None:
         if settings["draft_quant"] not in SCHEMES:
             raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft_quant must be one of "
                       f"{', '.join(SCHEMES)}, got {settings['draft_quant']!r}")
+    _check_policy_setting(conf, settings, where, ("static", "heuristic", "confidence"))
+
+
+def _check_runner(opt: dict, where: str) -> None:
+    """specstop's stop in vLLM's draft-model runner: :data:`VLLM_WORKER_CLASS`, method draft_model, async
+    scheduling off, and ``additional_config`` with a policy (a rule's spec, a policy string or an export folder)."""
+    conf = opt["speculative_config"]
+    if opt["worker_cls"] != VLLM_WORKER_CLASS:
+        raise bad("vllm", f"{where}: worker_cls must be {VLLM_WORKER_CLASS}, got {opt['worker_cls']!r}")
+    if conf.get("method") != "draft_model":
+        raise bad("vllm", f"{where}: specstop's draft runner runs speculative_config method draft_model, got "
+                  f"{conf.get('method')!r}")
+    if opt.get("async_scheduling") is not False:
+        raise bad("vllm", f"{where}: async_scheduling must be false (vLLM's async path drafts a fixed K per request)")
+    additional = opt.get("additional_config")
+    settings = additional.get(VLLM_SETTINGS_KEY) if isinstance(additional, dict) else None
+    if not isinstance(settings, dict):
+        raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY} must hold the policy")
+    _check_policy_setting(conf, settings, where, ("static", "confidence"))
+
+
+def _check_policy_setting(conf: dict, settings: dict, where: str, rules: tuple[str, ...]) -> None:
+    """The ``policy`` setting: a spec of one of ``rules`` within ``num_speculative_tokens``, or a non-empty
+    string (a policy string or an export folder)."""
     policy = settings.get("policy")
     if isinstance(policy, dict):
         from specstop.policy import PolicySpec
@@ -231,8 +292,11 @@ def _check_proposer(conf: dict, additional: Any, where: str) -> None:
             spec = PolicySpec.from_dict(policy)
         except UserError as err:
             raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.policy: {err}") from None
-        if spec.kind not in ("static", "heuristic", "confidence"):
+        if spec.kind == "predictor":
             raise bad("vllm", f"{where}: a {spec.kind!r} policy is given as its export folder, not as its spec")
+        if spec.kind not in rules:
+            raise bad("vllm", f"{where}: this proposer does not run a {spec.kind!r} policy (it runs "
+                      f"{', '.join(rules)} rules and learned policies)")
         if spec.cap > conf["num_speculative_tokens"]:
             raise bad("vllm", f"{where}: the policy drafts up to {spec.cap} tokens but num_speculative_tokens is "
                       f"{conf['num_speculative_tokens']} (vLLM's cap)")
@@ -281,6 +345,8 @@ def _check_conf(conf: Any, where: str, additional: Any = None) -> None:
 
 def _check_option(opt: dict, where: str) -> None:
     _check_conf(opt.get("speculative_config"), where, opt.get("additional_config"))
+    if opt.get("worker_cls") is not None:
+        _check_runner(opt, where)
 
 
 def _check_schedule(sched: dict, where: str) -> None:

@@ -1,0 +1,99 @@
+"""Per-request stops of a batched draft round (specstop.decode.row_stops), against a brute-force walk:
+each row alone through its own policy's ``should_stop``, one step at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _export_fixtures import per_setting_copy, random_exports, single_thread  # noqa: F401 - tiny models run faster on one thread
+
+from specstop.decode.row_stops import RowStops, row_setting
+from specstop.export.runtime import StoppingPolicy
+from specstop.probs import DecodingConfig
+
+GREEDY, WARM = DecodingConfig(), DecodingConfig(temperature=0.7, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_pair_dir):
+    from specstop.pair.loader import load_pair
+
+    pair = load_pair(str(tiny_pair_dir / "draft"), str(tiny_pair_dir / "target"), dtype="float32", device="cpu")
+    return random_exports(tmp_path_factory.mktemp("row_stop_exports"), pair), pair
+
+
+def _brute_force(policy: StoppingPolicy, settings, steps, positions, cap, vocab, eos=()):
+    """Each row alone: its setting's policy copy decides after every token, until stop, cap or EOS."""
+    out = []
+    for b, setting in enumerate(settings):
+        p = StoppingPolicy(policy.spec, policy.predictor, config=policy.config).configure(setting, vocab)
+        p.reset()
+        row_cap = min(cap, p.cap())
+        n = 0
+        for j, (logits, hidden, tokens) in enumerate(steps):
+            if n >= row_cap:
+                break
+            n += 1
+            stop = p.should_stop(logits[b], hidden[b], int(positions[b]) + j, draft_token=int(tokens[b]))
+            if stop or int(tokens[b]) in eos or n >= row_cap:
+                break
+        out.append(n)
+    return out
+
+
+@pytest.mark.parametrize("name", ["confidence", "disco", "sdpp"])
+def test_rows_stop_where_each_row_alone_would(name, exports):
+    export_paths, pair = exports
+    vocab = pair.vocab_size
+    policy = (StoppingPolicy.from_string("confidence:0.2") if name == "confidence" else
+              StoppingPolicy.from_pretrained(export_paths[name]))
+    gen = torch.Generator().manual_seed(3)
+    rows, cap = 8, 5
+    settings = [GREEDY, WARM, GREEDY, WARM, WARM, GREEDY, WARM, GREEDY]
+    positions = torch.randint(0, 30, (rows,), generator=gen)
+    # The draft's own steps (its logits, padding columns included, and last-layer states), greedy drafts
+    ids = torch.randint(3, vocab - 1, (rows, 6), generator=gen)
+    steps = []
+    with torch.no_grad():
+        for _ in range(cap):
+            out = pair.draft(ids, output_hidden_states=True)
+            logits, hidden = out.logits[:, -1].float(), out.hidden_states[-1][:, -1].float()
+            steps.append((logits, hidden, logits[:, :vocab].argmax(-1)))
+            ids = torch.cat([ids, steps[-1][2][:, None]], dim=1)
+    eos = (int(steps[2][2][4]),)  # row 4 drafts an EOS at step 3 (unless it stopped before)
+    want = _brute_force(policy, settings, steps, positions, cap, vocab, eos)
+
+    stops = RowStops(policy, vocab, eos=eos, live=False, log=lambda line: None)
+    assert stops.begin(settings, cap) == min(cap, policy.cap())
+    stops.place(positions.tolist())
+    done, used = False, 0
+    for logits, hidden, tokens in steps:
+        used += 1
+        if stops.step(logits, hidden if policy.needs_hidden else None, tokens):
+            done = True
+            break
+    drafted = torch.stack([t for _, _, t in steps[:used]], dim=1)
+    got = stops.cut(drafted)
+    assert [len(d) for d in got] == want
+    assert done and used == max(want)  # the round ends with its last drafting row, not at the cap
+    assert all(d == drafted[b, : len(d)].tolist() for b, d in enumerate(got))
+    assert len({len(d) for d in got}) > 1, want  # the check is not vacuous: rows stop apart
+
+
+def test_each_setting_runs_its_own_entry_and_says_so(exports, tmp_path):
+    export_paths, pair = exports
+    folder = per_setting_copy(export_paths["static"], tmp_path / "per_setting",
+                              {(0.0, 1.0): {"kind": "static", "k": 3}, (0.7, 0.9): {"kind": "static", "k": 1}})
+    lines: list[str] = []
+    stops = RowStops(StoppingPolicy.from_pretrained(folder), pair.vocab_size, live=False, log=lines.append)
+    # vLLM's float32 arrays: 0.7 reads 0.699999988, and "no top-k" is the vocabulary size
+    settings = [row_setting(t, k, p, pair.vocab_size) for t, k, p in
+                [(0.0, pair.vocab_size, 1.0), (0.699999988, pair.vocab_size, 0.899999976), (0.0, 0, 1.0)]]
+    assert settings == [GREEDY, WARM, GREEDY]
+    assert stops.begin(settings, 6) == 3
+    assert stops.caps.tolist() == [3, 1, 3]
+    assert lines == ["specstop: requests at greedy run static:3 (policy static @ greedy: the by_decoding entry tuned "
+                     "at greedy)", "specstop: requests at T=0.7, top-p 0.9 run static:1 (policy static @ T=0.7, top-p 0.9: "
+                     "the by_decoding entry tuned at T=0.7, top-p 0.9)"]
+    stops.begin(settings, 2)
+    assert stops.caps.tolist() == [2, 1, 2] and len(lines) == 2  # the engine's K caps too; each setting logged once
