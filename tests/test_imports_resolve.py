@@ -54,11 +54,47 @@ def _imports(where: str, code: str) -> list[tuple[int, str, list[str]]]:
     return out
 
 
+#: Packages of another environment (tests/test_install_surface.py, OTHER_ENVIRONMENT): a specstop module
+#: that imports one at its top (specstop.decode.vllm_draft_runner, loaded by vLLM's worker) is read instead.
+OTHER_ENVIRONMENT = ("vllm",)
+
+
+def _defined_in_source(module: str) -> set[str] | None:
+    """The top-level names ``module``'s source defines (classes, functions, assignments, imports), or None
+    without a source file."""
+    path = REPO / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        return None
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _import(module: str):
+    """``module`` imported; for one that needs a package of :data:`OTHER_ENVIRONMENT`, the names its source
+    defines (a set), read without importing it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name in OTHER_ENVIRONMENT and (names := _defined_in_source(module)) is not None:
+            return names
+        raise
+
+
 def _missing(module: str, names: list[str]) -> str | None:
     try:
-        mod = importlib.import_module(module)
+        mod = _import(module)
     except ImportError as err:
         return f"import {module}: {err}"
+    if isinstance(mod, set):
+        return next((f"{module} has no {name}" for name in names if name not in mod), None)
     for name in names:
         if hasattr(mod, name):
             continue
@@ -98,9 +134,11 @@ def _resolves(dotted: str) -> bool:
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
+            obj = _import(".".join(parts[:i]))
         except ModuleNotFoundError:
             continue
+        if isinstance(obj, set):  # read from source: its top-level names only
+            return len(parts) == i or (parts[i] in obj and len(parts) == i + 1)
         for part in parts[i:]:
             if not hasattr(obj, part):
                 return False
