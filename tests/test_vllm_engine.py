@@ -10,7 +10,9 @@ venv's python, and decodes the same prompts greedily at batch size 1 and 4 (and 
 option's ``command``, which must carry the same settings). Every setting must give
 vLLM's output without speculation token for token, and vLLM's own counters must show the drafts the
 setting asks for: K per draft for a fixed K, the schedule's K per batch size, drafts of varying
-length for specstop's proposer.
+length for specstop's proposer and for specstop's stop inside vLLM's own batched draft-model runner
+(:mod:`specstop.decode.vllm_draft_runner`), whose sampled requests must also keep the target's law
+(chi-square) and run their own decoding setting's policy.
 """
 
 from __future__ import annotations
