@@ -21,7 +21,7 @@ time of those calls (prefill included, as a client sees it). Methods (``--method
 * ``specstop_heuristic``: ``--engines``' ``heuristic_opt`` through the proposer (only when named in
   ``--methods``);
 * ``runner_confidence`` / ``runner_learned``: the same confidence rule / learned export inside vLLM's own
-  batched draft-model runner (``worker_cls`` :mod:`specstop.decode.vllm_draft_runner`): the draft runs as
+  batched draft-model runner (``worker_cls`` :mod:`specstop.decode.vllm_worker`): the draft runs as
   ``draft_kK``'s does, every request's draft stopped where the policy says, K capped at SL_max;
 * ``<proposer method>_int8`` / ``_int4``: the same with the draft's weights quantized as the proposer
   loads it (``--draft-quant``, ``specstop.pair.quantize``); ``--proposer-schedule B:K,...`` caps every

@@ -60,10 +60,10 @@ def test_each_engine_gets_its_knobs_and_the_prediction(tmp_path):
     conf = vllm["options"]["confidence_opt"]
     assert conf["speculative_config"] == {"method": "draft_model", "model": "d",
                                           "num_speculative_tokens": 12}  # SL_max: vLLM's cap on every draft
-    assert conf["worker_cls"] == "specstop.decode.vllm_draft_runner.SpecstopWorker" and conf["async_scheduling"] is False
+    assert conf["worker_cls"] == "specstop.decode.vllm_worker.SpecstopWorker" and conf["async_scheduling"] is False
     assert conf["additional_config"] == {"specstop": {"policy": tuned["policies"]["confidence_opt"]["spec"]}}
     assert "--additional-config" in conf["command"] and "pip install specstop" in conf["note"]
-    assert "--worker-cls specstop.decode.vllm_draft_runner.SpecstopWorker --no-async-scheduling" in conf["command"]
+    assert "--worker-cls specstop.decode.vllm_worker.SpecstopWorker --no-async-scheduling" in conf["command"]
     heur = vllm["options"]["heuristic_opt"]
     assert heur["speculative_config"]["model"] == "specstop.decode.vllm_proposer.SpecstopProposer"
     assert heur["additional_config"]["specstop"]["draft"] == "d"

@@ -55,7 +55,7 @@ def _imports(where: str, code: str) -> list[tuple[int, str, list[str]]]:
 
 
 #: Packages of another environment (tests/test_install_surface.py, OTHER_ENVIRONMENT): a specstop module
-#: that imports one at its top (specstop.decode.vllm_draft_runner, loaded by vLLM's worker) is read instead.
+#: that imports one at its top (specstop.decode.vllm_worker, loaded by vLLM's worker) is read instead.
 OTHER_ENVIRONMENT = ("vllm",)
 
 

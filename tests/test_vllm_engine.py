@@ -11,7 +11,7 @@ option's ``command``, which must carry the same settings). Every setting must gi
 vLLM's output without speculation token for token, and vLLM's own counters must show the drafts the
 setting asks for: K per draft for a fixed K, the schedule's K per batch size, drafts of varying
 length for specstop's proposer and for specstop's stop inside vLLM's own batched draft-model runner
-(:mod:`specstop.decode.vllm_draft_runner`), whose sampled requests must also keep the target's law
+(:mod:`specstop.decode.vllm_worker`), whose sampled requests must also keep the target's law
 (chi-square) and run their own decoding setting's policy.
 """
 

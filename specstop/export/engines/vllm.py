@@ -1,6 +1,6 @@
 """vLLM: ``speculative_config.num_speculative_tokens`` = static K for vLLM's own draft-model proposer; the
 confidence and learned policies inside that same batched runner, stopped per request by specstop
-(``worker_cls``: :mod:`specstop.decode.vllm_draft_runner`); the heuristic schedule and any policy on a
+(``worker_cls``: :mod:`specstop.decode.vllm_worker`); the heuristic schedule and any policy on a
 quantized draft through specstop's proposer class (``method: custom_class``,
 :mod:`specstop.decode.vllm_proposer`); both set up by ``additional_config``; the batch schedule as
 ``num_speculative_tokens_per_batch_size``. Where ``calibrate-cost --engine vllm`` timed vLLM's draft-model
@@ -27,7 +27,7 @@ VLLM_PROPOSER_NOTE = (
     "after another, and vLLM verifies every draft (lossless)"
 )
 #: vLLM's worker class that runs specstop's stop inside vLLM's own batched draft-model runner.
-VLLM_WORKER_CLASS = "specstop.decode.vllm_draft_runner.SpecstopWorker"
+VLLM_WORKER_CLASS = "specstop.decode.vllm_worker.SpecstopWorker"
 VLLM_RUNNER_NOTE = (
     "runs specstop's stop inside vLLM's own draft-model runner (worker_cls): install specstop into vLLM's "
     "environment (pip install specstop, no extras); the draft runs batched on vLLM's kernels and cache, each "

