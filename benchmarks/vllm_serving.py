@@ -442,9 +442,10 @@ def _predicted_static(option: dict, k: int, tuned_k: int | None) -> dict | None:
 def _cap_by_batch(method: dict, schedule: list[list[int]]) -> None:
     """``--proposer-schedule`` on one method: vLLM's ``num_speculative_tokens_per_batch_size``, each K at most
     the method's ``num_speculative_tokens``, and its label says so."""
+    from specstop.export.engines.vllm import capped_schedule
+
     conf = method["speculative_config"]
-    conf["num_speculative_tokens_per_batch_size"] = [[lo, hi, min(k, conf["num_speculative_tokens"])]
-                                                     for lo, hi, k in schedule]
+    conf["num_speculative_tokens_per_batch_size"] = capped_schedule(schedule, conf["num_speculative_tokens"])
     method["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
 
 
@@ -802,6 +803,15 @@ def _steps_markdown(record: dict) -> list[str]:
     return lines
 
 
+def _decoding_words(settings: dict) -> str:
+    """``greedy`` or ``sampled at T = 0.7, top-p 0.9 (a seed per request)``: how the requests decoded."""
+    temp = settings.get("temperature") or 0.0
+    if not temp:
+        return "greedy"
+    top_p = settings.get("top_p", 1.0)
+    return f"sampled at T = {temp:g}" + (f", top-p {top_p:g}" if top_p < 1.0 else "") + " (a seed per request)"
+
+
 def markdown(record: dict) -> str:
     s, summary, sizes = record["settings"], record["summary"], record["settings"]["batch_sizes"]
     host, versions = record["host"], record.get("versions") or {}
@@ -811,7 +821,7 @@ def markdown(record: dict) -> str:
         "",
         f"- target `{s['target']}`, draft `{s['draft']}`, dtype {s['dtype']}",
         f"- {len(s['prompt_ids'])} held-out prompts ({s['prompt_source']}, {s['split']} split: {', '.join(s['prompt_ids'])}), "
-        f"{s['max_new_tokens']} new tokens each, greedy{', EOS ignored' if s['ignore_eos'] else ', stop at EOS'}",
+        f"{s['max_new_tokens']} new tokens each, {_decoding_words(s)}{', EOS ignored' if s['ignore_eos'] else ', stop at EOS'}",
         f"- B = {', '.join(map(str, sizes))}: B prompts per `LLM.generate` call, every prompt once per B and repeat",
         f"- {record['design']}",
         f"- CPU: {host.get('cpu_model')}, {len(host.get('affinity', [])) or host.get('cpus')} CPUs used, "

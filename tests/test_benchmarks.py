@@ -169,8 +169,9 @@ def _serving_rows(record: dict, may_not_draft: tuple = ()) -> dict:
 
 
 def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
-    """The serving benchmark's step table: the K vLLM's runner drafts at B rows per method, and a run's decode
-    steps split into those with all B rows and the tail of rows that finished early."""
+    """The serving benchmark's step table: the K vLLM's runner drafts at B rows per method, a run's decode
+    steps split into those with all B rows and the tail of rows that finished early, and the report's
+    words for how requests decoded."""
     import runpy
 
     bench = runpy.run_path(str(BENCH / "vllm_serving.py"))
@@ -188,6 +189,8 @@ def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
     assert row["full_steps"] == 5 and row["partial_steps"] == 1
     assert row["full_median_s"] == pytest.approx(0.275) and row["partial_share"] == pytest.approx(0.1 / 1.5)
     assert bench["_steps_row"]([{"steps": None}], 2) is None
+    assert bench["_decoding_words"]({"temperature": 0.0}) == "greedy"
+    assert bench["_decoding_words"]({"temperature": 0.7, "top_p": 0.9}) == "sampled at T = 0.7, top-p 0.9 (a seed per request)"
 
 
 @pytest.mark.vllm

@@ -109,9 +109,14 @@ def env(tmp_path_factory, tiny_pair_dir, synth_dir):
 
 
 def _scratch(root: Path, fx) -> None:
-    """The files the pages name by relative path, and the repository's configs."""
+    """The files the pages name by relative path, and the repository's configs (with the generate config
+    the quickstart pipeline writes for its data stage)."""
     shutil.copytree(fx.export, root / "runs" / "quickstart" / "export")
     (root / "configs").symlink_to(REPO / "configs")
+    quickstart = yaml.safe_load((REPO / "configs" / "pipelines" / "quickstart.yaml").read_text())
+    data = {**quickstart["data"], "pair": quickstart["pair"], "out": "runs/quickstart/data", "dtype": quickstart["dtype"]}
+    (root / "runs" / "quickstart" / "configs").mkdir()
+    (root / "runs" / "quickstart" / "configs" / "data.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def _blocks(page: Path) -> list[Block]:

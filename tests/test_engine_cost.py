@@ -115,9 +115,10 @@ def test_vllm_file_runs_the_best_fixed_k_for_vllms_own_runner():
 
 
 def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
-    """The schedule vLLM's runner runs: at B = 1 and 2 (timed) the K best at the runner's steps, 0 at B = 2 where
-    none beats no speculation; B = 4 (not timed) keeps the tuned K and says so. specstop's proposer options keep
-    the tuned schedule's caps (their costs are the proposer's)."""
+    """The schedule vLLM's runner runs: at B = 1 and 2 (timed) the K best at the runner's steps, none at B = 2
+    where none beats no speculation; B = 4 (not timed) keeps the tuned K and says so. Where the schedule
+    drafts nothing but B = 1 speculates, vLLM's draft-model path runs K = 1 (its draft forward runs at K = 0
+    too), priced where the runner was timed at K = 1 and unpriced elsewhere."""
     from specstop.export.engines import engine_settings
 
     runner = {"1": {"0": {"step_s": 0.12}, "2": {"step_s": 0.19}, "4": {"step_s": 0.23}},
@@ -125,8 +126,13 @@ def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
     tuned = _tuned_with_runner(runner, schedule=[(1, 3), (2, 2), (4, 0)])
     sched = engine_settings(tuned, "vllm", draft="D", target="T")["batch_schedule"]
     rows = {r["batch_size"]: (r["k"], r["predicted_speedup"]) for r in sched["by_batch_size"]}
-    assert rows[1] == (4, pytest.approx(3.2 * 0.12 / 0.23)) and rows[2] == (0, 1.0) and rows[4] == (0, 1.0)
-    assert sched["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 3, 0], [4, 4, 0]]
+    assert rows[1] == (4, pytest.approx(3.2 * 0.12 / 0.23)) and rows[2] == (1, None) and rows[4] == (1, None)
+    assert sched["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 3, 1], [4, 4, 1]]
+    runner["2"]["1"] = {"step_s": 0.25}  # K = 1 timed at B = 2, still slower than no speculation
+    tuned = _tuned_with_runner(runner, schedule=[(1, 3), (2, 2), (4, 0)])
+    rows = {r["batch_size"]: (r["k"], r["predicted_speedup"], r.get("tuned_k"))
+            for r in engine_settings(tuned, "vllm", draft="D", target="T")["batch_schedule"]["by_batch_size"]}
+    assert rows[2] == (1, pytest.approx(1.8 * 0.13 / 0.25), 0) and rows[4] == (1, None, 0)
     assert any("batch sizes 1, 2: vLLM's own draft-model runner" in n and "the others" in n for n in sched["notes"])
 
 

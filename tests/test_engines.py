@@ -175,9 +175,12 @@ def test_batch_schedule_in_each_engines_format(tmp_path):
 
     vllm = engine_settings(tuned, "vllm", draft="d", target="t")["batch_schedule"]
     assert vllm["speculative_config"]["num_speculative_tokens"] == 6  # the startup maximum
+    # vLLM's draft-model path runs the draft at K = 0 too, so the batch size the schedule leaves bare drafts one
+    # token; the replay priced no K = 1 there, so it carries no prediction
     assert vllm["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
-        [1, 3, 4], [4, 15, 6], [16, 63, 2], [64, 64, 0]]
-    assert [r["predicted_speedup"] for r in vllm["by_batch_size"]] == [1.42, 1.25, 1.08, 1.0]
+        [1, 3, 4], [4, 15, 6], [16, 63, 2], [64, 64, 1]]
+    assert [r["predicted_speedup"] for r in vllm["by_batch_size"]] == [1.42, 1.25, 1.08, None]
+    assert vllm["by_batch_size"][3]["tuned_k"] == 0 and any("draft-model path" in n for n in vllm["notes"])
 
     sg = engine_settings(tuned, "sglang", draft="d", target="t")["batch_schedule"]
     assert sg["adaptive_config"] == {"1": {"candidate_steps": [4]}, "4": {"candidate_steps": [6]},
@@ -191,10 +194,15 @@ def test_batch_schedule_in_each_engines_format(tmp_path):
     assert lc[3]["flags"] == [] and "-md" not in lc[3]["command"]  # K = 0: no draft model at that batch size
 
     assert "batch_schedule" not in engine_settings(tuned, "hf", draft="d", target="t")  # HF assisted generation: batch 1
-    # specstop's proposer options draft only where the schedule speculates: SL_max there, 0 at batch size 64
+    # specstop's stop in vLLM's runner drafts its SL_max only where the schedule speculates, one token at batch
+    # size 64 (the draft's forward runs there anyway); specstop's proposer skips the draft there (0)
     opts = engine_settings(tuned, "vllm", draft="d", target="t")["options"]
     conf = opts["confidence_opt"]["speculative_config"]
-    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 3, 12], [4, 15, 12], [16, 63, 12], [64, 64, 0]]
+    assert opts["confidence_opt"]["worker_cls"]
+    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 3, 12], [4, 15, 12], [16, 63, 12], [64, 64, 1]]
+    assert "draft-model path" in opts["confidence_opt"]["batch_caps_note"]
+    heur = opts["heuristic_opt"]["speculative_config"]
+    assert heur["method"] == "custom_class" and heur["num_speculative_tokens_per_batch_size"][-1] == [64, 64, 0]
     assert json.dumps(conf) in shlex.split(opts["confidence_opt"]["command"])  # the command carries it too
     assert "num_speculative_tokens_per_batch_size" not in opts["static_opt"]["speculative_config"]
     for engine in ENGINES:

@@ -34,6 +34,14 @@ VLLM_RUNNER_NOTE = (
     "request's draft stops where its policy says (its own sampling setting's entry), and vLLM verifies every draft "
     "(lossless); needs async scheduling off (the CPU build has none)"
 )
+#: Why a schedule's K = 0 is written as K = 1 for vLLM's draft-model path.
+DRAFT_PATH_K0_NOTE = (
+    "K = 0 inside a speculative_config is not serving without speculation in vLLM's draft-model path: vLLM still "
+    "runs the draft over each row's new tokens every step, to keep the draft's KV cache in step, and the target "
+    "verifies nothing for that cost; so where the tuned schedule drafts nothing (and another batch size does) vLLM's "
+    "draft model and specstop's stop in its runner run K = 1, one token from the forward that runs anyway "
+    "(tuned_k 0 marks it)"
+)
 #: How the options vLLM runs itself are priced where its draft-model runner was timed.
 RUNNER_PRICED = ("vLLM's own draft-model runner, its decode step timed at each K and without speculation by "
                  "`specstop calibrate-cost --engine vllm`")
@@ -48,7 +56,7 @@ def _vllm_command(target: str, conf: dict, additional: dict | None = None, worke
     return cmd
 
 
-def _capped(schedule: list, cap: int) -> list[list[int]]:
+def capped_schedule(schedule: list, cap: int) -> list[list[int]]:
     """``[[lo, hi, K], ...]`` with every K at most ``cap`` (vLLM clamps larger ones, and predictions assume it)."""
     return [[int(a), int(b), min(int(k), int(cap))] for a, b, k in schedule]
 
@@ -61,7 +69,7 @@ def vllm_runner_config(draft: str, policy: dict | str, cap: int, *, schedule: li
     ``num_speculative_tokens_per_batch_size`` does for its own runner."""
     conf = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(cap)}
     if schedule:
-        conf["num_speculative_tokens_per_batch_size"] = _capped(schedule, cap)
+        conf["num_speculative_tokens_per_batch_size"] = capped_schedule(schedule, cap)
     return {"speculative_config": conf, "additional_config": {VLLM_SETTINGS_KEY: {"policy": policy}},
             "worker_cls": VLLM_WORKER_CLASS, "async_scheduling": False}
 
@@ -82,7 +90,7 @@ def vllm_proposer_config(draft: str, policy: dict | str, cap: int, *, draft_quan
     number of requests in the step (K = 0: no drafts at those batch sizes)."""
     conf = {"method": "custom_class", "model": VLLM_PROPOSER_CLASS, "num_speculative_tokens": int(cap)}
     if schedule:
-        conf["num_speculative_tokens_per_batch_size"] = _capped(schedule, cap)
+        conf["num_speculative_tokens_per_batch_size"] = capped_schedule(schedule, cap)
     settings: dict = {"draft": draft, "policy": policy}
     if draft_quant:
         settings["draft_quant"] = draft_quant
@@ -163,8 +171,9 @@ def _price_vllm_runner(options: dict, tuned: dict, draft: str, target: str) -> N
 
 def _runner_schedule(sched: dict, tuned: dict) -> dict:
     """The batch schedule as vLLM's draft-model runner should run it: at each tuned batch size where that
-    runner was timed, the K best at its own steps (0 where none beats no speculation), priced by them;
-    batch sizes it was not timed at keep the tuned K and price (``runner_priced`` False)."""
+    runner was timed, the K best at its own steps (0 where none beats no speculation, which :func:`_schedule`
+    writes as K = 1 when another batch size speculates: :data:`DRAFT_PATH_K0_NOTE`), priced by them; batch
+    sizes it was not timed at keep the tuned K and price (``runner_priced`` False)."""
     entries = []
     for e in sched["entries"]:
         by_k = _runner_prices(tuned, e["batch_size"])
@@ -176,6 +185,12 @@ def _runner_schedule(sched: dict, tuned: dict) -> dict:
         entries.append({**e, "k": k, "predicted_speedup": speed, "runner_priced": True,
                         "predicted_speedup_by_k": {"0": 1.0, **{str(kk): v for kk, v in by_k.items()}}})
     return {**sched, "entries": entries}
+
+
+def _draft_path_k(k: int, speculates: bool) -> int:
+    """The K vLLM's draft-model path runs for a schedule's K: 1 where the schedule drafts nothing but
+    ``speculates`` at some other batch size (:data:`DRAFT_PATH_K0_NOTE`), else K itself."""
+    return 1 if k == 0 and speculates else k
 
 
 def _vllm_ranges(entries: list[dict], k_of) -> list[list[int]]:
@@ -193,19 +208,27 @@ def _vllm_ranges(entries: list[dict], k_of) -> list[list[int]]:
 def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
     """Where the tuned batch schedule runs no speculation (K = 0 at batch size B), specstop's proposer options
     draft nothing at B either: ``num_speculative_tokens_per_batch_size`` gives them their SL_max at the
-    batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way)."""
+    batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way); the
+    stop in vLLM's runner gets 1 there, since its draft's forward runs at K = 0 too (:data:`DRAFT_PATH_K0_NOTE`)."""
     entries = sched["entries"]
     if all(e["k"] > 0 for e in entries):
         return
+    speculates = any(e["k"] > 0 for e in entries)
     for opt in options.values():
         conf = opt.get("speculative_config") or {}
         if conf.get("method") != "custom_class" and not opt.get("worker_cls"):
             continue
         cap = int(conf["num_speculative_tokens"])
-        conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(entries, lambda k, cap=cap: cap if k > 0 else 0)
+        # specstop's proposer keeps its own draft cache and skips the draft at K = 0; the runner cannot
+        low = _draft_path_k(0, speculates) if opt.get("worker_cls") else 0
+        conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(entries, lambda k, cap=cap, low=low: cap if k > 0
+                                                                     else low)
         opt["command"] = _vllm_command(target, conf, opt.get("additional_config"), opt.get("worker_cls"))
         opt["batch_caps_note"] = ("drafts only at the batch sizes where the tuned batch schedule speculates "
                                   "(K = 0 elsewhere: the draft's cost there exceeds what it saves)")
+        if low:
+            opt["batch_caps_note"] = (f"drafts its SL_max only at the batch sizes where the tuned batch schedule "
+                                      f"speculates, one token elsewhere: {DRAFT_PATH_K0_NOTE}")
 
 
 def _reprice(options: dict, sched: dict | None, ctx: Context) -> dict | None:
@@ -221,10 +244,13 @@ def _reprice(options: dict, sched: dict | None, ctx: Context) -> dict | None:
 
 def _schedule(sched: dict, draft: str, target: str, folder: str | None) -> dict:
     entries = sched["entries"]
-    ks = [e["k"] for e in entries]
+    speculates = any(e["k"] > 0 for e in entries)
+    ks = [_draft_path_k(e["k"], speculates) for e in entries]
     k_max = max(ks)
-    ranges = _vllm_ranges(entries, lambda k: k)
+    ranges = _vllm_ranges(entries, lambda k: _draft_path_k(k, speculates))
     notes = ["each range starts at a tuned batch size; batch sizes above the last range keep its K (vLLM's rule)"]
+    if ks != [e["k"] for e in entries]:
+        notes.append(DRAFT_PATH_K0_NOTE)
     if entries[0]["batch_size"] > 1:
         notes.append(f"batch sizes below {entries[0]['batch_size']} were not tuned; they use its K")
     if k_max == 0:
