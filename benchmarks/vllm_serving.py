@@ -22,7 +22,8 @@ time of those calls (prefill included, as a client sees it). Methods (``--method
   ``--methods``);
 * ``runner_confidence`` / ``runner_learned``: the same confidence rule / learned export inside vLLM's own
   batched draft-model runner (``worker_cls`` :mod:`specstop.decode.vllm_worker`): the draft runs as
-  ``draft_kK``'s does, every request's draft stopped where the policy says, K capped at SL_max;
+  ``draft_kK``'s does, every request's draft stopped where the policy says, K capped at SL_max (and per
+  batch size where ``--engines`` wrote per-batch caps for the option);
 * ``<proposer method>_int8`` / ``_int4``: the same with the draft's weights quantized as the proposer
   loads it (``--draft-quant``, ``specstop.pair.quantize``); ``--proposer-schedule B:K,...`` caps every
   proposer and runner method's drafts per batch size (K = 0: no drafts there).
@@ -414,6 +415,16 @@ def _with_draft(option: dict, draft: str, named: str | None) -> tuple[dict | Non
     return conf, extra, replaced
 
 
+def _runner_caps(option: dict | None) -> tuple[list | None, str]:
+    """An engines-file option's per-batch caps for specstop's stop in vLLM's runner (the ranges
+    ``export --for vllm`` wrote when the option runs there; None otherwise) and the words for a label."""
+    conf = (option or {}).get("speculative_config") or {}
+    ranges = conf.get("num_speculative_tokens_per_batch_size") if (option or {}).get("worker_cls") else None
+    if not ranges:
+        return None, ""
+    return ranges, ", the file's per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in ranges)
+
+
 def _engines_file(args: argparse.Namespace) -> dict:
     """``--engines``' vllm.json ({} without --engines)."""
     if args.engines is None:
@@ -544,14 +555,16 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
     conf, extra = vllm_proposer_config(draft, spec.to_dict(), spec.cap)
     methods.append({"name": "specstop_confidence", "label": f"specstop proposer, {what}", "speculative_config": conf,
                     "additional_config": extra, **origin})
-    methods.append({"name": "runner_confidence", "label": f"specstop stop in vLLM's draft runner, {what}",
-                    **vllm_runner_config(draft, spec.to_dict(), spec.cap), **origin})
+    caps, caps_words = _runner_caps(conf_opt)
+    methods.append({"name": "runner_confidence", "label": f"specstop stop in vLLM's draft runner, {what}{caps_words}",
+                    **vllm_runner_config(draft, spec.to_dict(), spec.cap, schedule=caps), **origin})
     learned = [(n, o) for n, o in options.items() if (o.get("policy") or {}).get("kind") == "predictor"]
-    export, origin = None, {}
+    export, origin, caps, caps_words = None, {}, None, ""
     if args.policy is not None:
         export, origin = args.policy.expanduser().resolve(), {"source": "--policy"}
     elif learned:
         name, opt = learned[0]
+        caps, caps_words = _runner_caps(opt)
         export = Path(opt["additional_config"]["specstop"]["policy"])
         origin = {"source": f"--engines {name}", "draft_replaced": _with_draft(opt, draft, engine_draft)[2],
                   "predicted": _predicted_b1(opt)}
@@ -563,8 +576,8 @@ def build_methods(args: argparse.Namespace, draft: str) -> list[dict]:
         methods.append({"name": "specstop_learned", "label": f"specstop proposer, learned {spec.label} "
                         f"(SL_max {spec.cap})", "speculative_config": conf, "additional_config": extra, **origin})
         methods.append({"name": "runner_learned", "label": f"specstop stop in vLLM's draft runner, learned "
-                        f"{spec.label} (SL_max {spec.cap})", **vllm_runner_config(draft, str(export), spec.cap),
-                        **origin})
+                        f"{spec.label} (SL_max {spec.cap}){caps_words}",
+                        **vllm_runner_config(draft, str(export), spec.cap, schedule=caps), **origin})
     if options.get("heuristic_opt"):
         conf, extra, replaced = _with_draft(options["heuristic_opt"], draft, engine_draft)
         pol = options["heuristic_opt"].get("policy") or {}

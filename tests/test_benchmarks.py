@@ -193,6 +193,22 @@ def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
     assert bench["_decoding_words"]({"temperature": 0.7, "top_p": 0.9}) == "sampled at T = 0.7, top-p 0.9 (a seed per request)"
 
 
+def test_vllm_serving_runner_methods_keep_the_files_per_batch_caps():
+    """A runner option of ``--engines`` with per-batch caps (``export --for vllm`` writes them where the tuned
+    schedule drafts less) runs with those caps, and its label says so; a proposer option's caps are not the
+    runner's."""
+    import runpy
+
+    bench = runpy.run_path(str(BENCH / "vllm_serving.py"))
+    ranges = [[1, 3, 4], [4, 8, 1]]
+    runner = {"worker_cls": "W", "speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
+                                                        "num_speculative_tokens_per_batch_size": ranges}}
+    caps, words = bench["_runner_caps"](runner)
+    assert caps == ranges and words == ", the file's per-batch cap B 1-3: 4, B 4-8: 1"
+    proposer = {"speculative_config": {"method": "custom_class", "num_speculative_tokens_per_batch_size": ranges}}
+    assert bench["_runner_caps"](proposer) == (None, "") and bench["_runner_caps"](None) == (None, "")
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_vllm_serving_smoke_run(tmp_path, monkeypatch):

@@ -272,6 +272,7 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
     with tempfile.TemporaryDirectory(prefix="specstop_vllm_cost_") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)  # beside --out, whose folder save() makes later
         with open(log_path, "w") as log:
             proc = subprocess.Popen([exe, "-m", "specstop.measure.vllm_cost", "--worker", str(job_path), str(out_path)],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=vllm_env(), bufsize=1)

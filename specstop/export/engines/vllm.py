@@ -205,41 +205,76 @@ def _vllm_ranges(entries: list[dict], k_of) -> list[list[int]]:
     return ranges
 
 
-def _cap_proposer_by_batch(options: dict, sched: dict, target: str) -> None:
+#: How specstop's stop in vLLM's runner is capped per batch size where that runner was timed.
+RUNNER_CAPS_NOTE = (
+    "above batch size 1 each batch size's drafts are capped at the fixed K that vLLM's own draft-model runner runs "
+    "best there (its steps timed by `specstop calibrate-cost --engine vllm`): a batched draft round lasts as long as "
+    "its longest draft, so rows past that K cost every row a draft forward; at batch size 1 the policy's own SL_max"
+)
+
+
+def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: int) -> tuple[list[int], str | None]:
+    """Per schedule entry, the cap of specstop's stop in vLLM's runner, and the note that explains it.
+
+    Where vLLM's runner was timed (``runner_entries`` marked ``runner_priced``): SL_max at batch size 1,
+    elsewhere the runner's best K there (at least 1: :data:`DRAFT_PATH_K0_NOTE`) and at most SL_max.
+    Elsewhere SL_max where the tuned schedule speculates, 1 where it does not (None: no cap needed).
+    """
+    speculates = any(e["k"] > 0 for e in entries)
+    runner_entries = runner_entries or [{} for _ in entries]
+    caps, timed = [], False
+    for e, r in zip(entries, runner_entries):
+        if not r.get("runner_priced"):
+            caps.append(cap if e["k"] > 0 else _draft_path_k(0, speculates))
+        elif e["batch_size"] == 1:
+            caps.append(cap)
+        else:
+            caps.append(min(cap, max(1, int(r["k"]))))
+            timed = True
+    if timed:
+        return caps, RUNNER_CAPS_NOTE
+    if all(c == cap for c in caps):
+        return caps, None
+    return caps, (f"drafts its SL_max only at the batch sizes where the tuned batch schedule speculates, one token "
+                  f"elsewhere: {DRAFT_PATH_K0_NOTE}")
+
+
+def _cap_proposer_by_batch(options: dict, sched: dict, target: str, runner_sched: dict | None) -> None:
     """Where the tuned batch schedule runs no speculation (K = 0 at batch size B), specstop's proposer options
     draft nothing at B either: ``num_speculative_tokens_per_batch_size`` gives them their SL_max at the
-    batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way); the
-    stop in vLLM's runner gets 1 there, since its draft's forward runs at K = 0 too (:data:`DRAFT_PATH_K0_NOTE`)."""
+    batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way). The
+    stop in vLLM's runner is capped by :func:`_runner_caps`: by the runner's own best K where
+    ``runner_sched`` (the schedule re-priced with vLLM's runner steps) timed it."""
     entries = sched["entries"]
-    if all(e["k"] > 0 for e in entries):
-        return
-    speculates = any(e["k"] > 0 for e in entries)
     for opt in options.values():
         conf = opt.get("speculative_config") or {}
-        if conf.get("method") != "custom_class" and not opt.get("worker_cls"):
+        cap = int(conf.get("num_speculative_tokens") or 0)
+        if opt.get("worker_cls"):
+            caps, note = _runner_caps(entries, runner_sched and runner_sched["entries"], cap)
+        elif conf.get("method") == "custom_class" and not all(e["k"] > 0 for e in entries):
+            caps = [cap if e["k"] > 0 else 0 for e in entries]
+            note = ("drafts only at the batch sizes where the tuned batch schedule speculates (K = 0 elsewhere: the "
+                    "draft's cost there exceeds what it saves)")
+        else:
             continue
-        cap = int(conf["num_speculative_tokens"])
-        # specstop's proposer keeps its own draft cache and skips the draft at K = 0; the runner cannot
-        low = _draft_path_k(0, speculates) if opt.get("worker_cls") else 0
-        conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(entries, lambda k, cap=cap, low=low: cap if k > 0
-                                                                     else low)
+        if note is None:
+            continue
+        conf["num_speculative_tokens_per_batch_size"] = _vllm_ranges(
+            [{**e, "k": c} for e, c in zip(entries, caps)], lambda k: k)
         opt["command"] = _vllm_command(target, conf, opt.get("additional_config"), opt.get("worker_cls"))
-        opt["batch_caps_note"] = ("drafts only at the batch sizes where the tuned batch schedule speculates "
-                                  "(K = 0 elsewhere: the draft's cost there exceeds what it saves)")
-        if low:
-            opt["batch_caps_note"] = (f"drafts its SL_max only at the batch sizes where the tuned batch schedule "
-                                      f"speculates, one token elsewhere: {DRAFT_PATH_K0_NOTE}")
+        opt["batch_caps_note"] = note
 
 
 def _reprice(options: dict, sched: dict | None, ctx: Context) -> dict | None:
     """Options and schedule under vLLM's own measured runner steps, where they were measured; proposer
-    options capped to the batch sizes the schedule speculates at."""
+    options capped to the batch sizes the schedule speculates at, the stop in vLLM's runner to its best K."""
     if not ctx.draft_quant:
         _price_vllm_runner(options, ctx.tuned, ctx.draft, ctx.target)
     if sched is None:
         return None
-    _cap_proposer_by_batch(options, sched, ctx.target)
-    return _runner_schedule(sched, ctx.tuned) if _runner_prices(ctx.tuned, 1) else sched
+    runner_sched = _runner_schedule(sched, ctx.tuned) if _runner_prices(ctx.tuned, 1) else None
+    _cap_proposer_by_batch(options, sched, ctx.target, runner_sched)
+    return runner_sched or sched
 
 
 def _schedule(sched: dict, draft: str, target: str, folder: str | None) -> dict:
