@@ -202,14 +202,14 @@ def test_proposer_with_a_quantized_draft_and_a_batch_cap_is_lossless(exported, t
 
 def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):
     """`specstop calibrate-cost --engine vllm` on the tiny pair in float32 at batch sizes 1 and 2 (and ``flags``),
-    with vLLM's venv and environment; the cost model it wrote."""
+    with vLLM's venv and environment, into a folder that does not exist yet; the cost model it wrote."""
     from specstop.eval.cost import load_cost_model
 
     for key, value in _vllm_env().items():
         if key.startswith("VLLM_") or key == "HF_HUB_OFFLINE":
             monkeypatch.setenv(key, value)
     monkeypatch.setenv("SPECSTOP_VLLM_VENV", str(VLLM_VENV))
-    out = tmp_path / "vllm_cost.json"
+    out = tmp_path / "costs" / "vllm_cost.json"  # its log goes beside it: the folder is made for both
     assert main(["calibrate-cost", "--engine", "vllm", "--draft", str(pair_dir / "draft"), "--target",
                  str(pair_dir / "target"), "--dtype", "float32", "--batch-grid", "2", "--budget", "48",
                  *flags, "--out", str(out)]) == 0
