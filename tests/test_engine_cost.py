@@ -145,6 +145,12 @@ def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
     opt = engine_settings(tuned, "vllm", draft="D", target="T")["options"]["confidence_opt"]
     assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 8], [2, 3, 3], [4, 4, 1]]
     del runner["1"]["3"], runner["2"]["3"]
+    # a schedule that speculates nowhere, not timed: the stop drafts nothing either, and says why
+    untimed = _tuned_with_runner(None, schedule=[(1, 0), (4, 0)])
+    untimed["policies"]["confidence_opt"] = tuned["policies"]["confidence_opt"]
+    opt = engine_settings(untimed, "vllm", draft="D", target="T")["options"]["confidence_opt"]
+    assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 0], [4, 4, 0]]
+    assert "speculates at no batch size" in opt["batch_caps_note"]
     runner["2"]["1"] = {"step_s": 0.25}  # K = 1 timed at B = 2, still slower than no speculation
     tuned = _tuned_with_runner(runner, schedule=[(1, 3), (2, 2), (4, 0)])
     rows = {r["batch_size"]: (r["k"], r["predicted_speedup"], r.get("tuned_k"))

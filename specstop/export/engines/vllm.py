@@ -235,6 +235,8 @@ def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: in
         return caps, RUNNER_CAPS_NOTE
     if all(c == cap for c in caps):
         return caps, None
+    if not speculates:
+        return caps, "drafts nothing: the tuned batch schedule speculates at no batch size (serve without speculation)"
     return caps, (f"drafts its SL_max only at the batch sizes where the tuned batch schedule speculates, one token "
                   f"elsewhere: {DRAFT_PATH_K0_NOTE}")
 
