@@ -817,12 +817,12 @@ def _steps_markdown(record: dict) -> list[str]:
 
 
 def _decoding_words(settings: dict) -> str:
-    """``greedy`` or ``sampled at T = 0.7, top-p 0.9 (a seed per request)``: how the requests decoded."""
-    temp = settings.get("temperature") or 0.0
-    if not temp:
-        return "greedy"
-    top_p = settings.get("top_p", 1.0)
-    return f"sampled at T = {temp:g}" + (f", top-p {top_p:g}" if top_p < 1.0 else "") + " (a seed per request)"
+    """``greedy`` or ``sampled at T=0.7, top-p 0.9 (a seed per request)``: how the requests decoded."""
+    from specstop.export.by_decoding import describe
+
+    decoding = {"temperature": settings.get("temperature") or 0.0, "top_p": settings.get("top_p", 1.0)}
+    words = describe(decoding)
+    return words if words == "greedy" else f"sampled at {words} (a seed per request)"
 
 
 def markdown(record: dict) -> str:

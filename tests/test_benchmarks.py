@@ -190,7 +190,7 @@ def test_vllm_serving_reads_the_k_each_method_runs_and_its_full_batch_steps():
     assert row["full_median_s"] == pytest.approx(0.275) and row["partial_share"] == pytest.approx(0.1 / 1.5)
     assert bench["_steps_row"]([{"steps": None}], 2) is None
     assert bench["_decoding_words"]({"temperature": 0.0}) == "greedy"
-    assert bench["_decoding_words"]({"temperature": 0.7, "top_p": 0.9}) == "sampled at T = 0.7, top-p 0.9 (a seed per request)"
+    assert bench["_decoding_words"]({"temperature": 0.7, "top_p": 0.9}) == "sampled at T=0.7, top-p 0.9 (a seed per request)"
 
 
 def test_vllm_serving_runner_methods_keep_the_files_per_batch_caps():
