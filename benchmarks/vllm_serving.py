@@ -89,6 +89,8 @@ DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
 PROPOSER_METHODS = ("specstop_confidence", "specstop_learned", "specstop_heuristic")
 #: specstop's stop inside vLLM's own draft-model runner (a ``worker_cls``, the draft vLLM's own).
 RUNNER_METHODS = ("runner_confidence", "runner_learned")
+#: How a runner method's label names an engines file's per-batch caps.
+FILE_CAPS = ", the file's per-batch cap "
 #: The ``vllm.LLM`` arguments a method sets beside the engine's.
 METHOD_ENGINE_ARGS = ("worker_cls", "async_scheduling")
 ALL_METHODS = ("no_spec, draft_kK, schedule, specstop_confidence, specstop_learned, specstop_heuristic, "
@@ -215,8 +217,10 @@ def worker(job: dict) -> dict:
             if m.get("worker_cls"):  # specstop's stop in vLLM's runner: its rounds, draft lengths, live pricing
                 from specstop.decode.vllm_draft_runner import live_runners
 
-                stops = live_runners()[-1].stops
-                res["runner_stats"] = {**stops.stats, "live": stops.live_record()}
+                runner = live_runners()[-1]
+                res["runner_stats"] = {**runner.stops.stats, "live": runner.stops.live_record(),
+                                       "draft_kv": dict(runner.draft_kv),
+                                       "gate": runner.gate.record() if runner.gate is not None else None}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
             _say(f"{name}: failed")
@@ -312,6 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--proposer-schedule", default=None,
                    help="B:K,... (as --schedule): a per-batch-size cap on the drafts of every specstop proposer "
                         "and runner method (K = 0: no drafts at those B)")
+    g.add_argument("--no-speculation-gate", action="store_true",
+                   help="runner methods draft wherever their caps allow (specstop's gate otherwise skips the draft "
+                        "at batch sizes where it measures that drafting does not pay)")
     g = p.add_argument_group("timing")
     g.add_argument("--batch-sizes", default="1,2,4,8", help="B: concurrent requests per generate call")
     g.add_argument("--passes", type=positive_int, default=2, help="passes over the methods, the order rotated between them")
@@ -422,7 +429,7 @@ def _runner_caps(option: dict | None) -> tuple[list | None, str]:
     ranges = conf.get("num_speculative_tokens_per_batch_size") if (option or {}).get("worker_cls") else None
     if not ranges:
         return None, ""
-    return ranges, ", the file's per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in ranges)
+    return ranges, FILE_CAPS + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in ranges)
 
 
 def _engines_file(args: argparse.Namespace) -> dict:
@@ -457,7 +464,9 @@ def _cap_by_batch(method: dict, schedule: list[list[int]]) -> None:
 
     conf = method["speculative_config"]
     conf["num_speculative_tokens_per_batch_size"] = capped_schedule(schedule, conf["num_speculative_tokens"])
-    method["label"] += ", per-batch cap " + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule)
+    # it replaces an engines file's caps, which the label named
+    method["label"] = (method["label"].split(FILE_CAPS)[0] + ", per-batch cap (--proposer-schedule) "
+                       + ", ".join(f"B {lo}-{hi}: {k}" for lo, hi, k in schedule))
 
 
 def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
@@ -474,6 +483,9 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
     for m in methods:
         if schedule and m["name"] in RUNNER_METHODS:  # vLLM passes its per-batch K to the runner as the cap
             _cap_by_batch(m, schedule)
+        if args.no_speculation_gate and m["name"] in RUNNER_METHODS:
+            m["additional_config"]["specstop"]["speculation_gate"] = False
+            m["label"] += ", no speculation gate"
         if m["name"] not in PROPOSER_METHODS:
             if priced and m.get("predicted"):
                 m["predicted"] = None  # vLLM's own float draft runs these, not the timed quantized one
@@ -919,13 +931,21 @@ def markdown(record: dict) -> str:
     if record.get("runner_stats"):
         lines += ["", "## specstop's stop in vLLM's draft runner", "",
                   "Per engine start: batched draft rounds, draft forwards, rows per draft length, the policy each "
-                  "decoding setting ran and live re-pricing's switches:", ""]
+                  "decoding setting ran, live re-pricing's switches, steps that skipped the draft (tokens fed "
+                  "again to catch its cache up) and the speculation gate per batch size (ms per token drafting / "
+                  "skipping, rounds of each):", ""]
         for name, entries in record["runner_stats"].items():
             for e in entries:
                 lengths = ", ".join(f"{k}: {v}" for k, v in sorted(e["lengths"].items(), key=lambda kv: int(kv[0])))
                 switches = sum(len(r.get("switches", [])) for r in (e.get("live") or {}).values())
+                kv = e.get("draft_kv") or {}
+                gate = "; ".join(f"B={b}: {g['draft_ms_per_token']} / {g['skip_ms_per_token']} ms, "
+                                 f"{g['rounds_drafting']} / {g['rounds_skipping']}"
+                                 for b, g in (e.get("gate") or {}).items())
                 lines.append(f"- `{name}` pass {e['pass']}: {e['rounds']} rounds, {e['steps']} draft forwards, "
-                             f"lengths {{{lengths}}}, settings {e['settings']}, {switches} live switch(es)")
+                             f"lengths {{{lengths}}}, settings {e['settings']}, {switches} live switch(es), "
+                             f"{kv.get('skipped_steps', 0)} skipped steps ({kv.get('caught_up_tokens', 0)} tokens "
+                             f"caught up), gate {gate or 'off'}")
     if record.get("errors"):
         lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
                                            for n, errs in record["errors"].items() for e in errs]

@@ -1,7 +1,8 @@
 """Run vLLM's offline engine on token-id prompts, once per speculative setting: ``python _vllm_runner.py JOB OUT``.
 
 Started by tests/test_vllm_engine.py with ``.venv-vllm/bin/python`` (vLLM lives in its own venv).
-JOB (JSON): ``{"target", "prompts": [[ids]], "max_tokens", "engine": {LLM kwargs}, "runs": [{"name",
+JOB (JSON): ``{"target", "prompts": [[ids]], "max_tokens", "batched_max_tokens": [per prompt] (optional: the
+batched pass's own lengths, so that its requests finish at different steps), "engine": {LLM kwargs}, "runs": [{"name",
 "speculative_config", "additional_config", "worker_cls", "async_scheduling", "command"}], "sampled": {...}}``;
 a run's ``command`` (a ``vllm serve`` line) is parsed by vLLM's own serve parser and reported as
 ``parsed_command`` (model, speculative and additional config, worker class, async scheduling). Every run
@@ -13,7 +14,8 @@ sampled requests of one prompt (request i of a group with seed i), all in one ca
 ``{name: {"batch1": [[ids]], "batched": [[ids]], "spec": {"batch1": counters, "batched": counters},
 "samples": [[[ids]] per group], "runner": stats, "start_s", "generate_s", "error"}}``; spec
 counters are vLLM's own (drafts, draft tokens, accepted tokens) for that pass; ``runner``: specstop's
-draft runner's counters (rows per draft length, the policy each decoding setting ran).
+draft runner's counters (rows per draft length, the policy each decoding setting ran, ``draft_kv``: steps that
+skipped the draft and tokens fed again to catch its cache up).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def run(job: dict) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    lengths = job.get("batched_max_tokens") or [job["max_tokens"]] * len(prompts)
+    batched = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     results = {}
     for spec in job["runs"]:
         res: dict = {}
@@ -98,14 +102,16 @@ def run(job: dict) -> dict:
             before = spec_counters(llm)
             res["batch1"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
             mid = spec_counters(llm)
-            res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, batched, use_tqdm=False)]
             res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(spec_counters(llm), mid)}
             if job.get("sampled"):
                 res["samples"] = sample(llm, job)
             if spec.get("worker_cls"):
                 from specstop.decode.vllm_draft_runner import live_runners
 
-                res["runner"] = live_runners()[-1].stops.stats
+                runner = live_runners()[-1]
+                res["runner"] = {**runner.stops.stats, "draft_kv": dict(runner.draft_kv),
+                                 "gate": None if runner.gate is None else runner.gate.record()}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
         res["generate_s"] = time.perf_counter() - t0

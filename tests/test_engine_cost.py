@@ -119,7 +119,8 @@ def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
     where none beats no speculation; B = 4 (not timed) keeps the tuned K and says so. Where the schedule
     drafts nothing but B = 1 speculates, vLLM's draft-model path runs K = 1 (its draft forward runs at K = 0
     too), priced where the runner was timed at K = 1 and unpriced elsewhere. specstop's stop in that runner
-    is capped at the runner's best K above batch size 1, where it was timed."""
+    is capped at the runner's best K above batch size 1, where it was timed, and drafts nothing where no K
+    beats no speculation (it skips the draft's forward there)."""
     from specstop.export.engines import engine_settings
 
     runner = {"1": {"0": {"step_s": 0.12}, "2": {"step_s": 0.19}, "4": {"step_s": 0.23}},
@@ -129,21 +130,21 @@ def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
     rows = {r["batch_size"]: (r["k"], r["predicted_speedup"]) for r in sched["by_batch_size"]}
     assert rows[1] == (4, pytest.approx(3.2 * 0.12 / 0.23)) and rows[2] == (1, None) and rows[4] == (1, None)
     assert sched["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 3, 1], [4, 4, 1]]
-    # specstop's stop in vLLM's runner: SL_max at B = 1; at B = 2 the runner's best K, at least 1 (here none
-    # beats no speculation); B = 4 (not timed) one token, where the tuned schedule drafts nothing
+    # specstop's stop in vLLM's runner: SL_max at B = 1; at B = 2 the runner's best K (here none beats no
+    # speculation: 0); B = 4 (not timed) 0 too, where the tuned schedule drafts nothing
     tuned["policies"]["confidence_opt"] = {"spec": {"kind": "confidence", "threshold": 0.6, "sl_max": 8},
                                            "validation": {"speedup": 1.3}}
     opt = engine_settings(tuned, "vllm", draft="D", target="T")["options"]["confidence_opt"]
     assert opt["worker_cls"] and opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
-        [1, 1, 8], [2, 3, 1], [4, 4, 1]]
-    assert "calibrate-cost --engine vllm" in opt["batch_caps_note"]
+        [1, 1, 8], [2, 3, 0], [4, 4, 0]]
+    assert "calibrate-cost --engine vllm" in opt["batch_caps_note"] and "skips the draft" in opt["batch_caps_note"]
     runner["1"]["3"] = {"step_s": 0.21}
     runner["2"]["3"] = {"step_s": 0.2}  # now K = 3 is best at B = 2: the cap follows it
     tuned = _tuned_with_runner(runner, schedule=[(1, 3), (2, 2), (4, 0)])
     tuned["policies"]["confidence_opt"] = {"spec": {"kind": "confidence", "threshold": 0.6, "sl_max": 8},
                                            "validation": {"speedup": 1.3}}
     opt = engine_settings(tuned, "vllm", draft="D", target="T")["options"]["confidence_opt"]
-    assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 8], [2, 3, 3], [4, 4, 1]]
+    assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 8], [2, 3, 3], [4, 4, 0]]
     del runner["1"]["3"], runner["2"]["3"]
     # a schedule that speculates nowhere, not timed: the stop drafts nothing either, and says why
     untimed = _tuned_with_runner(None, schedule=[(1, 0), (4, 0)])

@@ -194,13 +194,13 @@ def test_batch_schedule_in_each_engines_format(tmp_path):
     assert lc[3]["flags"] == [] and "-md" not in lc[3]["command"]  # K = 0: no draft model at that batch size
 
     assert "batch_schedule" not in engine_settings(tuned, "hf", draft="d", target="t")  # HF assisted generation: batch 1
-    # specstop's stop in vLLM's runner drafts its SL_max only where the schedule speculates, one token at batch
-    # size 64 (the draft's forward runs there anyway); specstop's proposer skips the draft there (0)
+    # specstop's stop in vLLM's runner drafts its SL_max only where the schedule speculates and nothing at batch
+    # size 64 (it skips the draft's forward there, as specstop's proposer does)
     opts = engine_settings(tuned, "vllm", draft="d", target="t")["options"]
     conf = opts["confidence_opt"]["speculative_config"]
     assert opts["confidence_opt"]["worker_cls"]
-    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 3, 12], [4, 15, 12], [16, 63, 12], [64, 64, 1]]
-    assert "draft-model path" in opts["confidence_opt"]["batch_caps_note"]
+    assert conf["num_speculative_tokens_per_batch_size"] == [[1, 3, 12], [4, 15, 12], [16, 63, 12], [64, 64, 0]]
+    assert "skips the draft's forward" in opts["confidence_opt"]["batch_caps_note"]
     heur = opts["heuristic_opt"]["speculative_config"]
     assert heur["method"] == "custom_class" and heur["num_speculative_tokens_per_batch_size"][-1] == [64, 64, 0]
     assert json.dumps(conf) in shlex.split(opts["confidence_opt"]["command"])  # the command carries it too

@@ -97,3 +97,28 @@ def test_each_setting_runs_its_own_entry_and_says_so(exports, tmp_path):
                      "the by_decoding entry tuned at T=0.7, top-p 0.9)"]
     stops.begin(settings, 2)
     assert stops.caps.tolist() == [2, 1, 2] and len(lines) == 2  # the engine's K caps too; each setting logged once
+
+
+def test_rows_at_their_cap_stop_without_asking_their_policy(exports, monkeypatch):
+    """A row whose next token reaches its cap stops there whatever its policy says, so the policy is not run for
+    it: at a cap of 1 (the runner's cap at large batch sizes) a round asks no policy at all."""
+    _, pair = exports
+    vocab = pair.vocab_size
+    asked = []
+    real = StoppingPolicy.should_stop_batch
+
+    def counting(self, logits, *args, **kwargs):
+        asked.append(int(kwargs["active"].sum()))
+        return real(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(StoppingPolicy, "should_stop_batch", counting)
+    policy = StoppingPolicy.from_string("confidence:1e-6")  # never stops by itself
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    tokens = logits.argmax(-1)
+    stops = RowStops(policy, vocab, live=False, log=lambda line: None)
+    stops.begin([GREEDY, WARM, GREEDY, WARM], 1)
+    assert stops.step(logits, None, tokens) and asked == []
+    assert [len(d) for d in stops.cut(tokens[:, None])] == [1, 1, 1, 1]
+    stops.begin([GREEDY, WARM, GREEDY, WARM], 2)
+    assert not stops.step(logits, None, tokens) and asked == [2, 2]  # each setting's two rows, once
+    assert stops.step(logits, None, tokens) and asked == [2, 2]  # the second token reaches the cap

@@ -52,10 +52,11 @@ def _vllm_env() -> dict:
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_vllm(tmp: Path, target: Path, runs: list[dict], sampled: dict | None = None, engine: dict | None = None) -> dict:
+def run_vllm(tmp: Path, target: Path, runs: list[dict], sampled: dict | None = None, engine: dict | None = None,
+             batched_max_tokens: list[int] | None = None) -> dict:
     """tests/_vllm_runner.py on the vLLM venv: one engine per run, outputs and spec counters per run."""
     job = {"target": str(target), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engine": {**ENGINE, **(engine or {})},
-           "runs": runs, "sampled": sampled}
+           "runs": runs, "sampled": sampled, "batched_max_tokens": batched_max_tokens}
     (tmp / "job.json").write_text(json.dumps(job))
     proc = subprocess.run([str(VLLM_PY), str(REPO / "tests" / "_vllm_runner.py"), str(tmp / "job.json"),
                            str(tmp / "out.json")], env=_vllm_env(), capture_output=True, text=True, timeout=1200)
@@ -167,6 +168,11 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
         stats = res[name]["runner"]
         assert stats["rounds"] < sum(stats["lengths"].values()), (name, stats)
         assert len([n for n in stats["lengths"] if int(n) > 0]) > 1, (name, stats)
+        # the speculation gate timed both choices where it ran (skipping the draft too): the outputs above
+        # stayed vLLM's
+        gate = stats["gate"]["1"]
+        assert gate["rounds_drafting"] > 0 and gate["rounds_skipping"] > 0, (name, stats["gate"])
+        assert stats["draft_kv"]["skipped_steps"] >= gate["rounds_skipping"], (name, stats["draft_kv"])
     assert opts["heuristic_opt"]["speculative_config"]["method"] == "custom_class"  # learns across a request's rounds
 
 
@@ -198,6 +204,37 @@ def test_proposer_with_a_quantized_draft_and_a_batch_cap_is_lossless(exported, t
     one, batched = res["int4"]["spec"]["batch1"], res["int4"]["spec"]["batched"]
     assert one["drafts"] > 0 and one["accepted_tokens"] > 0
     assert batched["drafts"] == 0  # the 4 requests run and finish together: never 1 left alone
+
+
+def test_the_runner_skips_the_draft_where_no_row_drafts_and_catches_its_cache_up(exported, tmp_path):
+    """specstop's stop in vLLM's runner, capped at 0 above batch size 1, runs no draft forward at 2+ requests;
+    once the last request runs alone, its first drafting step feeds the draft every token the skipped steps
+    left out of its cache (the prompt included: it was prefilled at batch size 4). The target drafts for
+    itself here, so drafts read from a complete cache are accepted as they are at batch size 1 throughout."""
+    pair_dir, _ = exported
+    target = str(pair_dir / "target")
+    conf = {"method": "draft_model", "model": target, "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 8, 0]]}
+    extra = {"specstop": {"policy": {"kind": "confidence", "threshold": 1e-6, "sl_max": 4}, "live_pricing": False,
+                          "speculation_gate": False}}
+    lengths = [8, 12, 16, MAX_TOKENS]
+    res = run_vllm(tmp_path, pair_dir / "target", [
+        {"name": "plain"},
+        {"name": "runner", "speculative_config": conf, "additional_config": extra,
+         "worker_cls": "specstop.decode.vllm_worker.SpecstopWorker", "async_scheduling": False}],
+        batched_max_tokens=lengths)
+    for name, r in res.items():
+        assert not r.get("error"), f"{name}:\n{r['error']}"
+    assert [len(o) for o in res["plain"]["batched"]] == lengths
+    assert res["runner"]["batch1"] == res["plain"]["batch1"] and res["runner"]["batched"] == res["plain"]["batched"]
+    kv = res["runner"]["runner"]["draft_kv"]
+    assert kv["skipped_steps"] >= lengths[2] - 1, kv  # every step with 2+ requests after the prefill's
+    # the last request: its prompt and the tokens generated while others ran
+    assert kv["catch_ups"] >= 1 and kv["caught_up_tokens"] >= len(PROMPTS[3]) + lengths[2] - 1, kv
+    one, batched = res["runner"]["spec"]["batch1"], res["runner"]["spec"]["batched"]
+    assert batched["drafts"] > 0
+    rate = {m: c["accepted_tokens"] / c["draft_tokens"] for m, c in (("batch1", one), ("batched", batched))}
+    assert rate["batch1"] > 0.9 and rate["batched"] >= rate["batch1"] - 0.05, (rate, kv)
 
 
 def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):

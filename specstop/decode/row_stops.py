@@ -154,15 +154,18 @@ class RowStops:
         outside = tokens_cpu >= self.vocab_size if self.vocab_size else torch.zeros_like(tokens_cpu, dtype=torch.bool)
         if outside.any():
             tokens_cpu = tokens_cpu.clamp(max=self.vocab_size - 1)
+        # a row whose token reaches its cap stops there whatever its policy says: only the others ask it
+        # (at the cap of 1 that large batch sizes run, no policy runs at all)
+        ask = active & (self.lengths < self.caps)
         for s, idx in self._groups.items():
-            if not active[idx].any():
+            if not ask[idx].any():
                 continue
             sel = torch.as_tensor(idx, device=logits.device)
             stop = self._policies[s].should_stop_batch(
                 logits.index_select(0, sel), None if hidden is None else hidden.index_select(0, sel),
-                self.positions[idx] + self.lengths[idx] - 1, active=active[idx],
+                self.positions[idx] + self.lengths[idx] - 1, active=ask[idx],
                 draft_tokens=tokens_cpu[torch.as_tensor(idx)])
-            self.stopped[idx] |= stop.numpy()
+            self.stopped[idx] |= stop.numpy() & ask[idx]
         self.stopped |= outside.numpy() & active
         if len(self.eos):
             self.stopped |= torch.isin(tokens_cpu, self.eos).numpy() & active

@@ -10,6 +10,19 @@ scheduler verifies each request's own number of drafts; its rejection sampler ke
 target's (greedy: token for token; sampled requests: verified with the draft's distribution when
 ``draft_sample_method`` is ``probabilistic``, else as deterministic proposals).
 
+A step where no row drafts (the engine's per-batch K is 0 there, or every row's policy caps it at 0) skips the
+draft's forward altogether. vLLM's own proposer runs that forward anyway, to keep the draft's KV cache in step
+with the target, and it costs every row a draft forward for nothing. Here, each request remembers the first
+position whose draft KV a skipped step left unwritten. The next step that drafts for the request feeds those
+tokens ahead of the step's own tokens in its first pass (their cache slots come from the request's block table),
+so the draft drafts from a complete cache again. Output never depends on the draft's cache (the target verifies
+every draft), only acceptance does.
+
+Since a step can skip the draft, the runner also decides, per batch size, whether drafting pays at all as the
+engine runs now (:class:`~specstop.decode.speculation_gate.SpeculationGate`): it times each choice from one
+step to the next over the tokens each request advanced, keeps drafting unless skipping is measured cheaper,
+and re-tries the other choice now and then. ``"speculation_gate": false`` keeps the exported caps alone.
+
 vLLM builds its draft-model proposer itself and offers no setting to name another class, so the way in
 is the one vLLM does take by name, the worker class: :class:`SpecstopWorker` is the platform's own worker
 (CPU or GPU) whose ``load_model`` swaps the runner's proposer for this one before the models load::
@@ -26,6 +39,7 @@ folder (checked against the draft). Each request's temperature, top-k and top-p 
 export tuned per setting (``by_decoding``) runs each request's own entry, logged once per setting met.
 Other ``specstop`` settings: ``live_pricing`` (default true: the proposer times its draft rounds and the
 target steps between them and re-prices a policy that carries statistics, :mod:`specstop.decode.live_pricing`),
+``speculation_gate`` (default true: drafting per batch size only where it is measured to pay, above),
 ``cost_model`` (the table those timings are measured against), ``allow_draft_mismatch``.
 
 Limits, each refused in one line: vLLM's async scheduling (on by default on GPU; the CPU build has none)
@@ -49,6 +63,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from specstop import clock
 from specstop.decode.row_stops import RowStops, row_setting
+from specstop.decode.speculation_gate import SpeculationGate
 from specstop.decode.vllm_draft_runner import register
 from specstop.decode.vllm_proposer import SETTINGS_KEY, live_cost_table, load_policy, read_setting
 from specstop.errors import UserError
@@ -67,7 +82,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
 
     Args:
         vllm_config: vLLM's ``VllmConfig``; reads ``additional_config["specstop"]`` (``policy``, optional
-            ``live_pricing``, ``cost_model``, ``allow_draft_mismatch``).
+            ``live_pricing``, ``speculation_gate``, ``cost_model``, ``allow_draft_mismatch``).
         device: the engine's device.
         runner: vLLM's model runner (its input batch holds each request's sampling settings and prompt length).
 
@@ -113,15 +128,89 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._prompt_lens = np.zeros(0, dtype=np.int64)
         self._last_out: float | None = None
         self._last_rows = 0
+        #: request id -> first position whose draft KV a skipped step left unwritten
+        self._behind: dict[str, int] = {}
+        self._req_ids: list[str] = []
+        #: skipped steps, and tokens fed again to catch the draft's cache up (benchmarks and tests read them)
+        self.draft_kv = {"skipped_steps": 0, "caught_up_tokens": 0, "catch_ups": 0}
+        self.gate = (SpeculationGate(log=logger.info)
+                     if read_setting(settings, "speculation_gate", bool, True, WHO) else None)
+        #: the last step: when it began, its requests, their first positions, whether it drafted, its longest
+        #: draft, whether it caught the draft's cache up
+        self._last_step: list | None = None
         register(self)
 
     # ------------------------------------------------------------------ vLLM's draft loop, per step
     def set_inputs_first_pass(self, *args, **kwargs):
-        """vLLM's first-pass input setup; keeps the position of each row's last fed token (the first
-        drafted token's response position follows from it)."""
+        """vLLM's first-pass input setup, with the tokens that skipped steps left out of the draft's cache fed
+        ahead of each such row's own; keeps the position of each row's last fed token (the first drafted
+        token's response position follows from it)."""
         num_tokens, token_indices_to_sample, cad = super().set_inputs_first_pass(*args, **kwargs)
+        if self._behind:
+            num_tokens, token_indices_to_sample, cad = self._catch_up(num_tokens, token_indices_to_sample, cad)
         self._first_positions = self.positions[token_indices_to_sample].detach().clone()
         return num_tokens, token_indices_to_sample, cad
+
+    def _catch_up(self, num_tokens: int, sample_at: torch.Tensor, cad):
+        """Put each behind row's unwritten tokens ahead of its first-pass tokens.
+
+        Args:
+            num_tokens: the first pass's token count; ``self.input_ids`` / ``self.positions`` hold its
+                ``[num_tokens]`` tokens and positions, row after row as ``cad.query_start_loc`` says.
+            sample_at: ``[B]`` index of each row's last fed token (its first draft is sampled there).
+            cad: vLLM's ``CommonAttentionMetadata`` for the first pass.
+
+        Returns:
+            ``(num_tokens, sample_at, cad)`` of the longer pass; rows that do not fit vLLM's token buffers stay
+            behind until a later step.
+        """
+        starts_at = cad.query_start_loc_cpu.numpy().astype(np.int64)
+        rows = len(starts_at) - 1
+        if starts_at[0] != 0 or starts_at[-1] != num_tokens:
+            return num_tokens, sample_at, cad  # a layout this does not know: the rows stay behind
+        first = self.positions[cad.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
+        room = self.max_num_tokens - num_tokens
+        extra, begin = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        for b, rid in enumerate(self._req_ids[:rows]):
+            behind = self._behind.get(rid)
+            if behind is None:
+                continue
+            missing = int(first[b]) - behind
+            if missing > room:
+                continue  # this row catches up on a later step; its drafts this step read a partial cache
+            del self._behind[rid]
+            if missing > 0:
+                extra[b], begin[b] = missing, behind
+                room -= missing
+        if not extra.any():
+            return num_tokens, sample_at, cad
+        device = self.input_ids.device
+        shift = np.cumsum(extra)
+        # each row's own tokens move past the catch-up tokens of that row and of the rows before it
+        moved = torch.as_tensor(np.repeat(shift, np.diff(starts_at)) + np.arange(num_tokens), device=device)
+        new_starts = starts_at + np.concatenate([[0], shift])
+        rows_of = np.repeat(np.arange(rows), extra)
+        positions = np.concatenate([np.arange(begin[b], begin[b] + extra[b]) for b in range(rows) if extra[b]])
+        placed = torch.as_tensor(np.concatenate([new_starts[b] + np.arange(extra[b]) for b in range(rows) if extra[b]]),
+                                 device=device)
+        tokens = self.engine_runner.input_batch.token_ids_cpu[rows_of, positions]
+        total = num_tokens + int(shift[-1])
+        ids, pos = self.input_ids[:num_tokens].clone(), self.positions[:num_tokens].clone()
+        self.input_ids[moved], self.positions[moved] = ids, pos
+        self.input_ids[placed] = torch.as_tensor(tokens, dtype=self.input_ids.dtype, device=device)
+        pos_t = torch.as_tensor(positions, dtype=self.positions.dtype, device=device)
+        self.positions[placed] = pos_t
+        slots = torch.empty(total, dtype=cad.slot_mapping.dtype, device=cad.slot_mapping.device)
+        slots[moved] = cad.slot_mapping[:num_tokens]
+        blocks = cad.block_table_tensor[torch.as_tensor(rows_of, device=device), pos_t // self.block_size]
+        slots[placed] = (blocks * self.block_size + pos_t % self.block_size).to(slots.dtype)
+        starts_t = torch.as_tensor(new_starts, dtype=cad.query_start_loc_cpu.dtype)
+        cad = cad.replace(query_start_loc=starts_t.to(cad.query_start_loc.device), query_start_loc_cpu=starts_t,
+                          num_actual_tokens=total, max_query_len=int(np.diff(new_starts).max()), slot_mapping=slots,
+                          positions=None if cad.positions is None else self.positions[:total])
+        self.draft_kv["caught_up_tokens"] += int(shift[-1])
+        self.draft_kv["catch_ups"] += 1
+        return total, moved[sample_at.long()].to(sample_at.dtype), cad
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
         """vLLM's draft sampling (one logits computation, as vLLM's own does), then each row's stop;
@@ -147,7 +236,8 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             raise _RoundOver
         return tokens, probs
 
-    def propose(self, num_speculative_tokens, *args, common_attn_metadata, **kwargs):
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, *args, common_attn_metadata,
+                **kwargs):
         """vLLM's ``propose`` (same arguments), returning each request's draft as a list of its own length.
 
         Returns:
@@ -162,17 +252,60 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._first_positions = None
         # Positions are known only after vLLM's first pass: the first _sample_draft_tokens call places them.
         steps = self.stops.begin(settings, int(num_speculative_tokens))
+        self._req_ids = list(batch.req_ids[:rows])
+        # requests the runner no longer holds (finished) drop their entry
+        self._behind = {rid: at for rid, at in self._behind.items() if rid in self.engine_runner.requests}
+        # each row's first position this step: the draft's cache is written up to there
+        first = target_positions[common_attn_metadata.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
+        same_rows = self._last_step is not None and self._last_step[1] == self._req_ids
+        # a drafting step that caught the draft's cache up paid for the skipped steps too: it prices nothing,
+        # and the next step drafts again so that drafting gets a price of its own
+        caught_up = same_rows and self._last_step[5]
+        if same_rows and not caught_up:
+            self._price_last_step(t_in, first)
+        drafting = steps > 0 and (self.gate is None or caught_up or self.gate.choose(rows))
+        catch_ups = self.draft_kv["catch_ups"]
+        self._last_step = [t_in, self._req_ids, first, drafting, steps, False]
+        if not drafting:
+            return self._skip(first)
         self._prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
         try:
-            super().propose(max(steps, 1) if num_speculative_tokens else 0, *args,
+            super().propose(steps, target_token_ids, target_positions, *args,
                             common_attn_metadata=common_attn_metadata, **kwargs)
         except _RoundOver:
             pass
+        self._last_step[5] = self.draft_kv["catch_ups"] > catch_ups
         drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
         self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
         out = self.stops.cut(drafted)
         self._time(t_in, rows)
         return out
+
+    def _price_last_step(self, t_in: float, first: np.ndarray) -> None:
+        """The gate's price of the last step's choice (same requests as this step): the time from its start to
+        this one's over the tokens its requests advanced (each by a decode step's 1 to K + 1 tokens)."""
+        if self.gate is None:
+            return
+        t_last, req_ids, first_last, drafted, steps, _ = self._last_step
+        advanced = first - first_last
+        if not len(advanced) or advanced.min() < 1 or advanced.max() > (steps + 1 if drafted else 1):
+            return
+        self.gate.observe(len(req_ids), drafted, t_in - t_last, float(advanced.mean()))
+
+    def _skip(self, first: np.ndarray) -> list[list[int]]:
+        """A step where no row drafts: no draft forward; each row remembers where its draft cache stops.
+
+        Args:
+            first: ``[B]`` the first position the target ran this step in each row (the draft's cache needs
+                writing from there: the last step that drafted wrote its tokens up to it).
+        """
+        for rid, at in zip(self._req_ids, first.tolist()):
+            self._behind[rid] = min(self._behind.get(rid, at), int(at))
+        self.draft_kv["skipped_steps"] += 1
+        self._last_draft_probs = None
+        # the target step that follows verifies nothing: it prices no drafting round
+        self._last_out = None
+        return [[] for _ in self._req_ids]
 
     def _time(self, t_in: float, rows: int) -> None:
         """Live re-pricing: this round's drafting seconds, and the target step between the last round and this

@@ -32,15 +32,21 @@ VLLM_RUNNER_NOTE = (
     "runs specstop's stop inside vLLM's own draft-model runner (worker_cls): install specstop into vLLM's "
     "environment (pip install specstop, no extras); the draft runs batched on vLLM's kernels and cache, each "
     "request's draft stops where its policy says (its own sampling setting's entry), and vLLM verifies every draft "
-    "(lossless); needs async scheduling off (the CPU build has none)"
+    "(lossless); per batch size it drafts only where its own timing of the engine's steps says drafting pays "
+    "(\"speculation_gate\": false in additional_config.specstop keeps the caps alone); needs async scheduling off "
+    "(the CPU build has none)"
 )
-#: Why a schedule's K = 0 is written as K = 1 for vLLM's draft-model path.
+#: Why a schedule's K = 0 is written as K = 1 for vLLM's own draft-model path.
 DRAFT_PATH_K0_NOTE = (
     "K = 0 inside a speculative_config is not serving without speculation in vLLM's draft-model path: vLLM still "
     "runs the draft over each row's new tokens every step, to keep the draft's KV cache in step, and the target "
     "verifies nothing for that cost; so where the tuned schedule drafts nothing (and another batch size does) vLLM's "
-    "draft model and specstop's stop in its runner run K = 1, one token from the forward that runs anyway "
-    "(tuned_k 0 marks it)"
+    "draft model runs K = 1, one token from the forward that runs anyway (tuned_k 0 marks it)"
+)
+#: Why specstop's stop in vLLM's runner keeps a schedule's K = 0.
+RUNNER_SKIPS_NOTE = (
+    "where no request drafts, specstop's stop in vLLM's runner skips the draft's forward (vLLM's own proposer runs "
+    "it), and the next step that drafts feeds the draft the tokens it skipped, so its cache is complete again"
 )
 #: How the options vLLM runs itself are priced where its draft-model runner was timed.
 RUNNER_PRICED = ("vLLM's own draft-model runner, its decode step timed at each K and without speculation by "
@@ -209,7 +215,8 @@ def _vllm_ranges(entries: list[dict], k_of) -> list[list[int]]:
 RUNNER_CAPS_NOTE = (
     "above batch size 1 each batch size's drafts are capped at the fixed K that vLLM's own draft-model runner runs "
     "best there (its steps timed by `specstop calibrate-cost --engine vllm`): a batched draft round lasts as long as "
-    "its longest draft, so rows past that K cost every row a draft forward; at batch size 1 the policy's own SL_max"
+    "its longest draft, so rows past that K cost every row a draft forward (none where no K beats no speculation); "
+    "at batch size 1 the policy's own SL_max"
 )
 
 
@@ -217,28 +224,27 @@ def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: in
     """Per schedule entry, the cap of specstop's stop in vLLM's runner, and the note that explains it.
 
     Where vLLM's runner was timed (``runner_entries`` marked ``runner_priced``): SL_max at batch size 1,
-    elsewhere the runner's best K there (at least 1: :data:`DRAFT_PATH_K0_NOTE`) and at most SL_max.
-    Elsewhere SL_max where the tuned schedule speculates, 1 where it does not (None: no cap needed).
+    elsewhere the runner's best K there (0 where no K beats no speculation: :data:`RUNNER_SKIPS_NOTE`) and at
+    most SL_max. Elsewhere SL_max where the tuned schedule speculates, 0 where it does not (None: no cap needed).
     """
-    speculates = any(e["k"] > 0 for e in entries)
     runner_entries = runner_entries or [{} for _ in entries]
     caps, timed = [], False
     for e, r in zip(entries, runner_entries):
         if not r.get("runner_priced"):
-            caps.append(cap if e["k"] > 0 else _draft_path_k(0, speculates))
+            caps.append(cap if e["k"] > 0 else 0)
         elif e["batch_size"] == 1:
             caps.append(cap)
         else:
-            caps.append(min(cap, max(1, int(r["k"]))))
+            caps.append(min(cap, int(r["k"])))
             timed = True
+    skips = f"; {RUNNER_SKIPS_NOTE}" if 0 in caps else ""
     if timed:
-        return caps, RUNNER_CAPS_NOTE
+        return caps, RUNNER_CAPS_NOTE + skips
     if all(c == cap for c in caps):
         return caps, None
-    if not speculates:
+    if not any(caps):
         return caps, "drafts nothing: the tuned batch schedule speculates at no batch size (serve without speculation)"
-    return caps, (f"drafts its SL_max only at the batch sizes where the tuned batch schedule speculates, one token "
-                  f"elsewhere: {DRAFT_PATH_K0_NOTE}")
+    return caps, f"drafts its SL_max only at the batch sizes where the tuned batch schedule speculates{skips}"
 
 
 def _cap_proposer_by_batch(options: dict, sched: dict, target: str, runner_sched: dict | None) -> None:
