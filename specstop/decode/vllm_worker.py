@@ -55,6 +55,8 @@ caller reads in specstop's own environment (the live runners) is in :mod:`specst
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from vllm.logger import init_logger
@@ -72,6 +74,18 @@ WHO = "specstop's vLLM draft runner"
 
 # vLLM's logger, so that specstop's lines show in the engine's own output.
 logger = init_logger("vllm.specstop")
+
+@dataclass
+class _Step:
+    """One engine step as the runner saw it (what the speculation gate prices at the next step)."""
+
+    began: float
+    req_ids: list[str]
+    first: np.ndarray  # [B] each row's first position the target ran
+    drafted: bool
+    cap: int  # the longest draft the step allowed
+    caught_up: bool = False  # its first pass also fed tokens that skipped steps left out of the draft's cache
+
 
 class _RoundOver(Exception):
     """Every row of the round has stopped: leave vLLM's fixed-length draft loop early."""
@@ -135,9 +149,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self.draft_kv = {"skipped_steps": 0, "caught_up_tokens": 0, "catch_ups": 0}
         self.gate = (SpeculationGate(log=logger.info)
                      if read_setting(settings, "speculation_gate", bool, True, WHO) else None)
-        #: the last step: when it began, its requests, their first positions, whether it drafted, its longest
-        #: draft, whether it caught the draft's cache up
-        self._last_step: list | None = None
+        self._last_step: _Step | None = None
         register(self)
 
     # ------------------------------------------------------------------ vLLM's draft loop, per step
@@ -168,7 +180,8 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         rows = len(starts_at) - 1
         if starts_at[0] != 0 or starts_at[-1] != num_tokens:
             return num_tokens, sample_at, cad  # a layout this does not know: the rows stay behind
-        first = self.positions[cad.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
+        # each row's first-pass tokens begin at the target's first position of the step
+        first = self._last_step.first
         room = self.max_num_tokens - num_tokens
         extra, begin = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         for b, rid in enumerate(self._req_ids[:rows]):
@@ -257,15 +270,15 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._behind = {rid: at for rid, at in self._behind.items() if rid in self.engine_runner.requests}
         # each row's first position this step: the draft's cache is written up to there
         first = target_positions[common_attn_metadata.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
-        same_rows = self._last_step is not None and self._last_step[1] == self._req_ids
+        last = self._last_step if self._last_step is not None and self._last_step.req_ids == self._req_ids else None
         # a drafting step that caught the draft's cache up paid for the skipped steps too: it prices nothing,
         # and the next step drafts again so that drafting gets a price of its own
-        caught_up = same_rows and self._last_step[5]
-        if same_rows and not caught_up:
-            self._price_last_step(t_in, first)
+        caught_up = last is not None and last.caught_up
+        if last is not None and not caught_up:
+            self._price(last, t_in, first)
         drafting = steps > 0 and (self.gate is None or caught_up or self.gate.choose(rows))
         catch_ups = self.draft_kv["catch_ups"]
-        self._last_step = [t_in, self._req_ids, first, drafting, steps, False]
+        self._last_step = _Step(t_in, self._req_ids, first, drafting, steps)
         if not drafting:
             return self._skip(first)
         self._prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
@@ -274,23 +287,22 @@ class SpecstopDraftModelProposer(DraftModelProposer):
                             common_attn_metadata=common_attn_metadata, **kwargs)
         except _RoundOver:
             pass
-        self._last_step[5] = self.draft_kv["catch_ups"] > catch_ups
+        self._last_step.caught_up = self.draft_kv["catch_ups"] > catch_ups
         drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
         self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
         out = self.stops.cut(drafted)
         self._time(t_in, rows)
         return out
 
-    def _price_last_step(self, t_in: float, first: np.ndarray) -> None:
+    def _price(self, last: _Step, t_in: float, first: np.ndarray) -> None:
         """The gate's price of the last step's choice (same requests as this step): the time from its start to
         this one's over the tokens its requests advanced (each by a decode step's 1 to K + 1 tokens)."""
         if self.gate is None:
             return
-        t_last, req_ids, first_last, drafted, steps, _ = self._last_step
-        advanced = first - first_last
-        if not len(advanced) or advanced.min() < 1 or advanced.max() > (steps + 1 if drafted else 1):
+        advanced = first - last.first
+        if not len(advanced) or advanced.min() < 1 or advanced.max() > (last.cap + 1 if last.drafted else 1):
             return
-        self.gate.observe(len(req_ids), drafted, t_in - t_last, float(advanced.mean()))
+        self.gate.observe(len(last.req_ids), last.drafted, t_in - last.began, float(advanced.mean()))
 
     def _skip(self, first: np.ndarray) -> list[list[int]]:
         """A step where no row drafts: no draft forward; each row remembers where its draft cache stops.
