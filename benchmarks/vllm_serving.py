@@ -933,15 +933,18 @@ def markdown(record: dict) -> str:
                   "Per engine start: batched draft rounds, draft forwards, rows per draft length, the policy each "
                   "decoding setting ran, live re-pricing's switches, steps that skipped the draft (tokens fed "
                   "again to catch its cache up) and the speculation gate per batch size (ms per token drafting / "
-                  "skipping, rounds of each):", ""]
+                  "skipping, rounds of each, rounds held back by the draft's prefill or catch-up) with its price of a "
+                  "token fed to the draft:", ""]
         for name, entries in record["runner_stats"].items():
             for e in entries:
                 lengths = ", ".join(f"{k}: {v}" for k, v in sorted(e["lengths"].items(), key=lambda kv: int(kv[0])))
                 switches = sum(len(r.get("switches", [])) for r in (e.get("live") or {}).values())
                 kv = e.get("draft_kv") or {}
-                gate = "; ".join(f"B={b}: {g['draft_ms_per_token']} / {g['skip_ms_per_token']} ms, "
-                                 f"{g['rounds_drafting']} / {g['rounds_skipping']}"
-                                 for b, g in (e.get("gate") or {}).items())
+                gate = e.get("gate") or {}
+                gate = "; ".join([f"B={b}: {g['draft_ms_per_token']} / {g['skip_ms_per_token']} ms, "
+                                  f"{g['rounds_drafting']} / {g['rounds_skipping']}, held {g['rounds_held']}"
+                                  for b, g in gate.get("by_batch", {}).items()]
+                                 + ([f"feed {gate['feed_ms_per_token']} ms per token"] if gate else []))
                 lines.append(f"- `{name}` pass {e['pass']}: {e['rounds']} rounds, {e['steps']} draft forwards, "
                              f"lengths {{{lengths}}}, settings {e['settings']}, {switches} live switch(es), "
                              f"{kv.get('skipped_steps', 0)} skipped steps ({kv.get('caught_up_tokens', 0)} tokens "

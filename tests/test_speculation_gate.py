@@ -3,9 +3,10 @@ measured cheaper by its margin, the other choice tried again every ``explore`` r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from specstop.decode.speculation_gate import SpeculationGate
+from specstop.decode.speculation_gate import SpeculationGate, Step
 
 
 def _run(gate: SpeculationGate, batch_size: int, rounds: int, price) -> list[bool]:
@@ -29,10 +30,10 @@ def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
     # batch size 1 is priced apart: drafting is cheaper there
     assert _run(gate, 1, 5, lambda d: 0.05 if d else 0.09)[2:] == [True, True, True]
     assert len(lines) == 2 and "batch size 8" in lines[0] and "skipped" in lines[0] and "drafting at" in lines[1]
-    rec = gate.record()
+    rec = gate.record()["by_batch"]
     assert rec["8"]["drafting"] is False and rec["8"]["rounds_drafting"] == 3 and rec["8"]["rounds_skipping"] == 7
     assert rec["1"] == {"draft_ms_per_token": 50.0, "skip_ms_per_token": 90.0, "rounds_drafting": 4,
-                        "rounds_skipping": 1, "drafting": True}
+                        "rounds_skipping": 1, "rounds_held": 0, "drafting": True}
 
 
 def test_a_cost_that_moves_turns_the_choice_around():
@@ -43,7 +44,7 @@ def test_a_cost_that_moves_turns_the_choice_around():
     assert _run(gate, 4, 5, lambda d: cost[d]) == [True, False, False, True, False]
     cost[True] = 0.010
     after = _run(gate, 4, 12, lambda d: cost[d])
-    assert gate.record()["4"]["drafting"] is True and after[-4:] == [False, True, False, True]  # skip retried
+    assert gate.record()["by_batch"]["4"]["drafting"] is True and after[-4:] == [False, True, False, True]  # skip retried
     gate.observe(4, True, float("nan"), 1.0)  # a step that priced nothing moves nothing
     assert gate.price(4, True) == 0.010
 
@@ -60,3 +61,60 @@ def test_a_price_is_seconds_over_tokens_and_noise_does_not_stop_drafting():
     assert gate.choose(2) is True
     gate.observe(2, False, 0.025, 1.0)  # now 0.028 s per token over its two rounds, 11% cheaper
     assert gate.choose(2) is False
+
+
+def test_a_token_fed_to_the_draft_is_priced_by_the_slope_of_its_first_passes():
+    """Decode-sized first passes cost about their weights' read whatever few tokens they feed; a prefill adds
+    the slope's seconds per token. The price waits for both kinds, and the few large passes stay in it among
+    many small ones."""
+    gate = SpeculationGate()
+    for n in (1, 4, 8, 16):
+        gate.observe_first_pass(n, 0.030 + 0.001 * n, large=False)
+    assert gate.feed_price() is None  # no prefill seen: a one-off cost is not priced, and does not hold drafting
+    gate.observe_first_pass(800, 0.030 + 0.001 * 800, large=True)
+    for _ in range(200):
+        gate.observe_first_pass(8, 0.038, large=False)
+    assert gate.feed_price() == pytest.approx(0.001)
+    assert gate.record()["feed_ms_per_token"] == pytest.approx(1.0)
+
+
+def test_drafting_that_must_first_feed_the_draft_waits_until_its_saving_pays_for_that():
+    """Drafting at 100 ms per token against 104 without saves 4 ms per token: over 48 tokens left, 0.19 s,
+    less than the 0.8 s of eight 100-token prompts through the draft, so the draft is skipped (said once);
+    with nothing to feed, the same prices draft; at 60 ms per token drafting pays for the prompts."""
+    lines = []
+    gate = SpeculationGate(log=lines.append)
+    gate.observe_first_pass(8, 0.030, large=False)
+    gate.observe_first_pass(808, 0.830, large=True)
+    gate.observe(8, True, 0.100, 1.0)
+    gate.observe(8, False, 0.104, 1.0)
+    assert [gate.choose(8, one_off=800, tokens_left=48) for _ in range(3)] == [False] * 3
+    assert len(lines) == 2 and "feed the draft 800 tokens (0.80 s)" in lines[1] and "48 tokens" in lines[1]
+    assert gate.choose(8) is True  # caught up: nothing to feed
+    assert gate.record()["by_batch"]["8"]["rounds_held"] == 3
+    gate.observe(4, True, 0.060, 1.0)
+    gate.observe(4, False, 0.110, 1.0)
+    assert gate.choose(4, one_off=400, tokens_left=48) is True  # 2.4 s saved against 0.4 s fed
+    assert gate.choose(4, one_off=400, tokens_left=5) is False  # the tail: 0.25 s saved
+    # a request ends early: batch size 7 has no prices yet, and is held at batch size 8's
+    assert gate.choose(7, one_off=700, tokens_left=20) is False and gate.record()["by_batch"]["7"]["rounds_held"] == 1
+    assert gate.choose(7) is True  # nothing to feed: drafting is tried first, as before
+
+
+def test_a_steps_choice_is_priced_by_the_target_step_that_verified_its_drafts():
+    """Two requests: step 0 drafts 4 tokens each (0.2 s to the next step), all kept; step 1 skips (0.1 s). The
+    target verifies step 0's drafts in step 1's forward, so they show in step 2's first positions: drafting is
+    priced 0.2 s over 5 tokens and skipping 0.1 s over 1 token (step 1's own advance of 1 came from before step 0).
+    A step with other requests prices nothing, and the step after one that fed the draft a prefill or a
+    catch-up is told to draft."""
+    gate = SpeculationGate()
+    ids = ["a", "b"]
+    firsts = [(10, 20), (11, 21), (16, 26), (17, 27)]
+    for i, (began, drafted) in enumerate(((0.0, True), (0.2, False), (0.3, True), (0.5, False))):
+        step = Step(began, ids, np.array(firsts[i]), cap=4, drafted=drafted)
+        assert gate.open(step) is False
+    assert gate.price(2, True) == pytest.approx(0.2 / 5) and gate.price(2, False) == pytest.approx(0.1 / 1)
+    step = Step(0.6, ["a", "c"], np.array([18, 0]), cap=4, drafted=True, fed_once=True)
+    assert gate.open(step) is False  # other requests: the step two back is not priced
+    assert gate.rounds == {} and gate.price(2, True) == pytest.approx(0.04)
+    assert gate.open(Step(0.9, ["a", "c"], np.array([19, 1]), cap=4)) is True  # the step before fed the draft once

@@ -129,15 +129,23 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
     opts = settings["options"]
     assert set(opts) == {"static_opt", "heuristic_opt", "confidence_opt", "disco"}
     runs = [{"name": "plain"}]
-    runs += [{"name": name, **{k: o.get(k) for k in ENGINE_KEYS}, "command": o["command"]} for name, o in opts.items()]
+    for name, o in opts.items():
+        runs.append({"name": name, **{k: o.get(k) for k in ENGINE_KEYS}, "command": o["command"]})
+        if name == "disco":
+            # specstop's batched runner with the gate off: on the tiny float32 pair the gate may measure that a
+            # batch's prompts through the draft do not pay back, and hold the draft past batch size 1 (the
+            # confidence option runs with the export's gate)
+            runs[-1]["additional_config"] = {"specstop": {**o["additional_config"]["specstop"],
+                                                          "speculation_gate": False}}
     sched = settings["batch_schedule"]
     runs.append({"name": "batch_schedule", "speculative_config": sched["speculative_config"], "command": sched["command"]})
     res = run_vllm(tmp_path, pair_dir / "target", runs)
     for name, r in res.items():
         assert not r.get("error"), f"{name}:\n{r['error']}"
     for run in runs[1:]:  # each `vllm serve` command carries the same settings (vLLM's own serve parser reads it)
+        written = opts.get(run["name"], run)
         assert res[run["name"]]["parsed_command"] == {"model": str(pair_dir / "target"),
-                                                      **{k: run.get(k) for k in ENGINE_KEYS}}, run["name"]
+                                                      **{k: written.get(k) for k in ENGINE_KEYS}}, run["name"]
     plain = res["plain"]
     assert plain["batch1"] == plain["batched"]  # batching alone changes nothing here
     assert all(len(o) == MAX_TOKENS for o in plain["batch1"])
@@ -146,7 +154,7 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
         assert r["batched"] == plain["batched"], f"{name} at batch size {len(PROMPTS)} differs from vLLM without speculation"
         if name == "plain":
             continue
-        for mode in ("batch1", "batched"):
+        for mode in ("batch1", "batched") if name != "confidence_opt" else ("batch1",):
             c = r["spec"][mode]
             assert c["drafts"] > 0 and c["accepted_tokens"] > 0, (name, mode, c)  # it speculated, and drafts were kept
 
@@ -161,18 +169,23 @@ def test_exported_vllm_settings_run_in_vllm_and_are_lossless(exported, tmp_path)
     # specstop's stops: drafts stop where the policy says, so their lengths vary below the cap
     for name, cap in (("confidence_opt", 5), ("disco", 6), ("heuristic_opt", 6)):
         assert 1 <= per_draft(name, "batch1") < cap, (name, res[name]["spec"])
-    # the rule and the learned policy run inside vLLM's own batched draft-model runner: one round drafts every
-    # request together (fewer rounds than rows drafted), each request's draft cut at its own stop
+    # the rule and the learned policy run inside vLLM's own batched draft-model runner
     for name in ("confidence_opt", "disco"):
         assert opts[name]["speculative_config"]["method"] == "draft_model" and opts[name]["worker_cls"]
-        stats = res[name]["runner"]
-        assert stats["rounds"] < sum(stats["lengths"].values()), (name, stats)
-        assert len([n for n in stats["lengths"] if int(n) > 0]) > 1, (name, stats)
-        # the speculation gate timed both choices where it ran (skipping the draft too): the outputs above
-        # stayed vLLM's
-        gate = stats["gate"]["1"]
-        assert gate["rounds_drafting"] > 0 and gate["rounds_skipping"] > 0, (name, stats["gate"])
-        assert stats["draft_kv"]["skipped_steps"] >= gate["rounds_skipping"], (name, stats["draft_kv"])
+    # one round drafts every request together (fewer rounds than rows drafted), each draft cut at its own stop
+    stats = res["disco"]["runner"]
+    assert stats["rounds"] < sum(stats["lengths"].values()), stats
+    assert len([n for n in stats["lengths"] if int(n) > 0]) > 1, stats
+    # the speculation gate timed both choices at batch size 1 (skipping the draft too), priced a token fed to the
+    # draft from the prefills it drafted, and drafted at batch size 4 only where that paid: the outputs above
+    # stayed vLLM's either way
+    stats = res["confidence_opt"]["runner"]
+    gate = stats["gate"]["by_batch"]
+    assert gate["1"]["rounds_drafting"] > 0 and gate["1"]["rounds_skipping"] > 0, stats["gate"]
+    assert stats["gate"]["feed_ms_per_token"] > 0, stats["gate"]
+    assert stats["draft_kv"]["skipped_steps"] >= gate["1"]["rounds_skipping"], stats["draft_kv"]
+    if res["confidence_opt"]["spec"]["batched"]["drafts"] == 0:
+        assert sum(g["rounds_held"] for b, g in gate.items() if int(b) > 1), stats["gate"]
     assert opts["heuristic_opt"]["speculative_config"]["method"] == "custom_class"  # learns across a request's rounds
 
 
@@ -338,6 +351,9 @@ def test_sampled_requests_run_their_own_entry_in_vllms_runner_and_keep_the_targe
     per_setting = per_setting_copy(export, tmp_path / "disco_per_setting", {
         (0.0, 1.0): greedy_spec, (0.7, 0.9): {**greedy_spec, "sl_max": 3}, (1.0, 1.0): {**greedy_spec, "sl_max": 2}})
     runner = vllm_runner_config(str(pair_dir / "draft"), str(per_setting), 6)
+    # every step drafts: the law is checked on verified drafts (the gate may find that a batch of 32 prompts
+    # through the tiny draft does not pay back, and hold the draft)
+    runner["additional_config"]["specstop"]["speculation_gate"] = False
     res = run_vllm(tmp_path, pair_dir / "target", [{"name": "plain"}, {"name": "runner", **runner}],
                    sampled=SAMPLED, engine={"max_num_seqs": 32})
     for name, r in res.items():

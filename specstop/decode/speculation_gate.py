@@ -13,12 +13,23 @@ export's caps chose, is kept unless skipping is measured at least :data:`MARGIN`
 use is tried again every :data:`EXPLORE` rounds at that batch size, so a cost that moves is seen. Only
 whether drafting happens changes, never what the target verifies: output stays lossless whatever the gate
 decides.
+
+Drafting also has a one-off cost that a round's price leaves out: before a request's first draft, the draft
+reads its prompt (its prefill), and after skipped steps it reads the tokens they left out (the catch-up).
+On the same CPU that cost is what drafting lost at batch size 8 end to end (0.91x of no speculation, decode
+phase 1.02x): eight prompts through the draft, paid back over 48 tokens by a round 2% cheaper. So the gate
+also prices a token fed to the draft (:meth:`SpeculationGate.observe_first_pass`: the slope of the draft's
+first-pass seconds over the tokens it fed), and a step that would first feed the draft ``one_off`` tokens
+drafts only where the round's saving over the tokens its requests have left pays for them
+(:meth:`SpeculationGate.choose`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,6 +39,22 @@ EXPLORE = 16
 WINDOW = 16
 #: How much cheaper skipping must be measured before the gate leaves drafting (noise is not a reason).
 MARGIN = 0.05
+#: First passes kept to price a token fed to the draft: decode-sized ones, and ones that fed a prefill or a
+#: catch-up (kept apart, so that the few large ones stay in the price among many small ones).
+PASSES = 64
+LARGE_PASSES = 16
+
+
+@dataclass
+class Step:
+    """One engine step as a runner that can skip its draft sees it, at its draft round."""
+
+    began: float  # when its draft round began (seconds, one clock for every step)
+    req_ids: list[str]
+    first: np.ndarray  # [B] each row's first position the target ran this step
+    cap: int  # the longest draft the step allows
+    drafted: bool = False
+    fed_once: bool = False  # its draft's first pass also fed prompts, or tokens that skipped steps left out
 
 
 class SpeculationGate:
@@ -46,7 +73,10 @@ class SpeculationGate:
         self._seen: dict[int, dict[bool, deque]] = {}
         self._since: dict[int, int] = {}
         self._best: dict[int, bool] = {}
+        self._held: dict[int, bool] = {}
         self.rounds: dict[int, dict[bool, int]] = {}
+        self._passes: dict[bool, deque] = {False: deque(maxlen=PASSES), True: deque(maxlen=LARGE_PASSES)}
+        self._steps: list[Step] = []  # the last two engine steps
 
     def _at(self, batch_size: int) -> dict[bool, deque]:
         return self._seen.setdefault(int(batch_size), {True: deque(maxlen=self.window),
@@ -57,14 +87,28 @@ class SpeculationGate:
         seen = self._at(batch_size)[bool(speculate)]
         return sum(s for s, _ in seen) / sum(t for _, t in seen) if seen else None
 
-    def choose(self, batch_size: int) -> bool:
+    def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
         tried first (drafting before skipping); then drafting unless skipping is ``margin`` cheaper, the other
-        choice every ``explore`` rounds."""
+        choice every ``explore`` rounds. Drafting that would first feed the draft ``one_off`` tokens (prompts,
+        skipped tokens) is chosen only where skipping's extra seconds over ``tokens_left`` exceed theirs, at
+        this batch size's prices, or the nearest priced batch size's where this one has none yet.
+
+        Args:
+            batch_size: requests in the step.
+            one_off: tokens the draft would read before it drafts, beyond the step's own decode tokens.
+            tokens_left: tokens the step's requests have left, the mean over them (their ``max_tokens``:
+                an end of sequence may come sooner).
+        """
         b = int(batch_size)
+        counts = self.rounds.setdefault(b, {True: 0, False: 0, "held": 0})
         spec, skip = self.price(b, True), self.price(b, False)
         if spec is None or skip is None:
             choice = spec is None
+            near = self._nearest_priced(b)
+            if choice and near is not None:
+                # a batch size met first (a request ended early) prices the one-off cost with the nearest one
+                choice = self._pays_back(b, self.price(near, True), self.price(near, False), one_off, tokens_left)
         else:
             best = spec * (1.0 - self.margin) < skip
             if self._best.get(b) != best and self.log is not None:
@@ -76,9 +120,54 @@ class SpeculationGate:
             choice = best
             if self._since[b] >= self.explore:
                 self._since[b], choice = 0, not best
-        counts = self.rounds.setdefault(b, {True: 0, False: 0})
+            if choice:
+                choice = self._pays_back(b, spec, skip, one_off, tokens_left)
         counts[choice] += 1
         return choice
+
+    def _nearest_priced(self, b: int) -> int | None:
+        """The batch size nearest ``b`` (the larger on a tie) where both choices are priced, or None."""
+        priced = [n for n in self._seen if n != b and self.price(n, True) is not None
+                  and self.price(n, False) is not None]
+        return min(priced, key=lambda n: (abs(n - b), -n)) if priced else None
+
+    def _pays_back(self, b: int, spec: float, skip: float, one_off: int, tokens_left: float) -> bool:
+        """Whether drafting at ``b`` saves, over ``tokens_left`` tokens, more than feeding the draft ``one_off``
+        tokens first costs (True where that cost is not priced yet); a change is said once."""
+        per_token = self.feed_price()
+        if one_off <= 0 or per_token is None:
+            return True
+        cost, saved = per_token * one_off, (skip - spec) * tokens_left
+        held = saved <= cost
+        if held:
+            self.rounds[b]["held"] += 1
+        if self._held.get(b) != held and self.log is not None and held:
+            self.log(f"specstop: at batch size {b} drafting would first feed the draft {one_off} tokens "
+                     f"({cost:.2f} s) and save {max(saved, 0.0):.2f} s over the {tokens_left:.0f} tokens its requests "
+                     "have left: the draft is skipped until that pays")
+        self._held[b] = held
+        return not held
+
+    def open(self, step: Step) -> bool:
+        """A new engine step, before its choice: prices the step two back, and says whether the step before
+        fed the draft prompts or skipped tokens (then this one drafts: that was paid for drafting, and drafting
+        gets a price of its own).
+
+        A step's choice is priced once the target has verified its drafts, two steps on: the time from its draft
+        round to the next one's covers its round and the target step that verified it, and the tokens that target
+        step advanced each request show as the following step's first positions less the next one's (the next
+        step's own advance verified the drafts of the step before). A step whose draft also read prompts or
+        skipped tokens prices nothing: that one-off cost is priced per token fed (:meth:`feed_price`).
+        """
+        if len(self._steps) == 2 and all(s.req_ids == step.req_ids for s in self._steps):
+            priced, after = self._steps
+            advanced = step.first - after.first
+            if (not priced.fed_once and len(advanced) and advanced.min() >= 1
+                    and advanced.max() <= (priced.cap + 1 if priced.drafted else 1)):
+                self.observe(len(step.req_ids), priced.drafted, after.began - priced.began, float(advanced.mean()))
+        last = self._steps[-1] if self._steps else None
+        self._steps = [*self._steps[-1:], step]
+        return last is not None and last.req_ids == step.req_ids and last.fed_once
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: float) -> None:
         """One round: ``seconds`` from one engine step to the next, over which a request advanced ``tokens``
@@ -86,14 +175,33 @@ class SpeculationGate:
         if seconds > 0 and tokens > 0 and np.isfinite(seconds):
             self._at(batch_size)[bool(speculated)].append((float(seconds), float(tokens)))
 
+    def observe_first_pass(self, tokens: int, seconds: float, large: bool) -> None:
+        """The draft's first pass of a step: ``tokens`` fed (a prefill or catch-up when ``large``) in
+        ``seconds``."""
+        if tokens > 0 and seconds > 0 and np.isfinite(seconds):
+            self._passes[bool(large)].append((float(tokens), float(seconds)))
+
+    def feed_price(self) -> float | None:
+        """Seconds per token fed to the draft: the least-squares slope of first-pass seconds over tokens fed
+        (None until a large pass and a decode-sized one are both seen, or where the slope is not positive)."""
+        if not self._passes[True] or not self._passes[False]:
+            return None
+        n, t = np.array([*self._passes[False], *self._passes[True]]).T
+        spread = float(((n - n.mean()) ** 2).sum())
+        slope = float(((n - n.mean()) * (t - t.mean())).sum()) / spread if spread > 0 else 0.0
+        return slope if slope > 0 else None
+
     def record(self) -> dict:
-        """Per batch size: each choice's price (ms per token), rounds run with it and the choice in use."""
+        """``by_batch``: per batch size, each choice's price (ms per token), rounds run with it, rounds where
+        drafting was held back by its one-off cost, and the choice in use; ``feed_ms_per_token``: the price of a
+        token fed to the draft."""
         out = {}
         for b in sorted(self._seen):
             spec, skip = self.price(b, True), self.price(b, False)
-            rounds = self.rounds.get(b, {True: 0, False: 0})
+            rounds = self.rounds.get(b, {True: 0, False: 0, "held": 0})
             out[str(b)] = {"draft_ms_per_token": None if spec is None else round(1e3 * spec, 2),
                            "skip_ms_per_token": None if skip is None else round(1e3 * skip, 2),
                            "rounds_drafting": rounds[True], "rounds_skipping": rounds[False],
-                           "drafting": self._best.get(b)}
-        return out
+                           "rounds_held": rounds["held"], "drafting": self._best.get(b)}
+        feed = self.feed_price()
+        return {"by_batch": out, "feed_ms_per_token": None if feed is None else round(1e3 * feed, 3)}

@@ -21,7 +21,9 @@ every draft), only acceptance does.
 Since a step can skip the draft, the runner also decides, per batch size, whether drafting pays at all as the
 engine runs now (:class:`~specstop.decode.speculation_gate.SpeculationGate`): it times each choice from one
 step to the next over the tokens each request advanced, keeps drafting unless skipping is measured cheaper,
-and re-tries the other choice now and then. ``"speculation_gate": false`` keeps the exported caps alone.
+and re-tries the other choice now and then. Where drafting would first feed the draft prompts or skipped
+tokens, it drafts only if the requests' remaining tokens pay for them. ``"speculation_gate": false`` keeps
+the exported caps alone.
 
 vLLM builds its draft-model proposer itself and offers no setting to name another class, so the way in
 is the one vLLM does take by name, the worker class: :class:`SpecstopWorker` is the platform's own worker
@@ -55,7 +57,7 @@ caller reads in specstop's own environment (the live runners) is in :mod:`specst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import numpy as np
 import torch
@@ -65,7 +67,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from specstop import clock
 from specstop.decode.row_stops import RowStops, row_setting
-from specstop.decode.speculation_gate import SpeculationGate
+from specstop.decode.speculation_gate import SpeculationGate, Step
 from specstop.decode.vllm_draft_runner import register
 from specstop.decode.vllm_proposer import SETTINGS_KEY, live_cost_table, load_policy, read_setting
 from specstop.errors import UserError
@@ -74,18 +76,6 @@ WHO = "specstop's vLLM draft runner"
 
 # vLLM's logger, so that specstop's lines show in the engine's own output.
 logger = init_logger("vllm.specstop")
-
-@dataclass
-class _Step:
-    """One engine step as the runner saw it (what the speculation gate prices at the next step)."""
-
-    began: float
-    req_ids: list[str]
-    first: np.ndarray  # [B] each row's first position the target ran
-    drafted: bool
-    cap: int  # the longest draft the step allowed
-    caught_up: bool = False  # its first pass also fed tokens that skipped steps left out of the draft's cache
-
 
 class _RoundOver(Exception):
     """Every row of the round has stopped: leave vLLM's fixed-length draft loop early."""
@@ -149,7 +139,9 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self.draft_kv = {"skipped_steps": 0, "caught_up_tokens": 0, "catch_ups": 0}
         self.gate = (SpeculationGate(log=logger.info)
                      if read_setting(settings, "speculation_gate", bool, True, WHO) else None)
-        self._last_step: _Step | None = None
+        self._step: Step | None = None  # this engine step, as the runner sees it
+        # the draft's first pass of the step: tokens fed, when it began, its seconds (the gate prices a fed token)
+        self._first_pass_tokens, self._pass_began, self._first_pass_s = 0, 0.0, None
         register(self)
 
     # ------------------------------------------------------------------ vLLM's draft loop, per step
@@ -161,6 +153,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         if self._behind:
             num_tokens, token_indices_to_sample, cad = self._catch_up(num_tokens, token_indices_to_sample, cad)
         self._first_positions = self.positions[token_indices_to_sample].detach().clone()
+        self._first_pass_tokens = int(num_tokens)
         return num_tokens, token_indices_to_sample, cad
 
     def _catch_up(self, num_tokens: int, sample_at: torch.Tensor, cad):
@@ -181,7 +174,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         if starts_at[0] != 0 or starts_at[-1] != num_tokens:
             return num_tokens, sample_at, cad  # a layout this does not know: the rows stay behind
         # each row's first-pass tokens begin at the target's first position of the step
-        first = self._last_step.first
+        first = self._step.first
         room = self.max_num_tokens - num_tokens
         extra, begin = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         for b, rid in enumerate(self._req_ids[:rows]):
@@ -245,7 +238,10 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         if probs is not None:
             self._round_probs.append(probs)
         hidden = hidden_states if self.stops.needs_hidden else None
-        if self.stops.step(logits, hidden, tokens):
+        done = self.stops.step(logits, hidden, tokens)
+        if len(self._round_tokens) == 1:  # the first pass's seconds: the policy read its tokens on the host
+            self._first_pass_s = clock.now() - self._pass_began
+        if done:
             raise _RoundOver
         return tokens, probs
 
@@ -270,39 +266,58 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._behind = {rid: at for rid, at in self._behind.items() if rid in self.engine_runner.requests}
         # each row's first position this step: the draft's cache is written up to there
         first = target_positions[common_attn_metadata.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
-        last = self._last_step if self._last_step is not None and self._last_step.req_ids == self._req_ids else None
-        # a drafting step that caught the draft's cache up paid for the skipped steps too: it prices nothing,
-        # and the next step drafts again so that drafting gets a price of its own
-        caught_up = last is not None and last.caught_up
-        if last is not None and not caught_up:
-            self._price(last, t_in, first)
-        drafting = steps > 0 and (self.gate is None or caught_up or self.gate.choose(rows))
+        self._step = Step(t_in, self._req_ids, first, cap=steps)
+        # the step after one that fed the draft prompts or skipped tokens drafts (the gate's rule)
+        after_one_off = self.gate is not None and self.gate.open(self._step)
+        prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
+        drafting = steps > 0 and (self.gate is None or after_one_off or self.gate.choose(
+            rows, *self._one_off(first, prompt_lens, common_attn_metadata.query_start_loc_cpu.numpy())))
+        self._step.drafted = drafting
         catch_ups = self.draft_kv["catch_ups"]
-        self._last_step = _Step(t_in, self._req_ids, first, drafting, steps)
         if not drafting:
             return self._skip(first)
-        self._prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
+        self._prompt_lens = prompt_lens
+        self._first_pass_s = None
+        self._pass_began = clock.now()
         try:
             super().propose(steps, target_token_ids, target_positions, *args,
                             common_attn_metadata=common_attn_metadata, **kwargs)
         except _RoundOver:
             pass
-        self._last_step.caught_up = self.draft_kv["catch_ups"] > catch_ups
+        self._step.fed_once = self.draft_kv["catch_ups"] > catch_ups or bool((first < prompt_lens).any())
+        if self.gate is not None and self._first_pass_s is not None:
+            self.gate.observe_first_pass(self._first_pass_tokens, self._first_pass_s,
+                                         large=self._first_pass_tokens > rows * (steps + 1))
         drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
         self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
         out = self.stops.cut(drafted)
         self._time(t_in, rows)
         return out
 
-    def _price(self, last: _Step, t_in: float, first: np.ndarray) -> None:
-        """The gate's price of the last step's choice (same requests as this step): the time from its start to
-        this one's over the tokens its requests advanced (each by a decode step's 1 to K + 1 tokens)."""
-        if self.gate is None:
-            return
-        advanced = first - last.first
-        if not len(advanced) or advanced.min() < 1 or advanced.max() > (last.cap + 1 if last.drafted else 1):
-            return
-        self.gate.observe(len(last.req_ids), last.drafted, t_in - last.began, float(advanced.mean()))
+    def _one_off(self, first: np.ndarray, prompt_lens: np.ndarray, starts_at: np.ndarray) -> tuple[int, float]:
+        """What drafting at this step would cost once, and how long the requests have to pay it back.
+
+        Args:
+            first: ``[B]`` each row's first position the target runs this step.
+            prompt_lens: ``[B]`` each row's prompt length.
+            starts_at: ``[B + 1]`` where each row's tokens of the step begin (vLLM's ``query_start_loc``).
+
+        Returns:
+            ``(tokens, tokens_left)``: the tokens the draft would read before drafting (the prompt chunks of rows
+            still in their prefill, and what skipped steps left out of each row's cache), and the tokens the
+            rows have left to generate, the mean over them (``max_tokens``; an end of sequence may come sooner).
+        """
+        fed = np.diff(starts_at[: len(first) + 1])
+        tokens = int(fed[first < prompt_lens].sum())
+        left = []
+        for b, rid in enumerate(self._req_ids):
+            if rid in self._behind:
+                tokens += int(first[b]) - self._behind[rid]
+            state = self.engine_runner.requests.get(rid)
+            params = getattr(state, "sampling_params", None)
+            if state is not None and getattr(params, "max_tokens", None) is not None:
+                left.append(params.max_tokens - len(state.output_token_ids))
+        return tokens, float(np.mean(left)) if left else math.inf
 
     def _skip(self, first: np.ndarray) -> list[list[int]]:
         """A step where no row drafts: no draft forward; each row remembers where its draft cache stops.
