@@ -24,8 +24,9 @@ time of those calls (prefill included, as a client sees it). Methods (``--method
   batched draft-model runner (``worker_cls`` :mod:`specstop.decode.vllm_worker`): the draft runs as
   ``draft_kK``'s does, every request's draft stopped where the policy says, K capped at SL_max (and per
   batch size where ``--engines`` wrote per-batch caps for the option);
-* ``<proposer method>_int8`` / ``_int4``: the same with the draft's weights quantized as the proposer
-  loads it (``--draft-quant``, ``specstop.pair.quantize``); ``--proposer-schedule B:K,...`` caps every
+* ``<proposer or runner method>_int8`` / ``_int4``: the same with the draft's weights quantized as the
+  proposer or the runner loads it (``--draft-quant``, ``specstop.pair.quantize``,
+  :mod:`specstop.decode.vllm_draft_quant`); ``--proposer-schedule B:K,...`` caps every
   proposer and runner method's drafts per batch size (K = 0: no drafts there).
 
 ``--engines DIR`` (a ``specstop export --for vllm`` folder) is used by option name as written, with
@@ -220,7 +221,8 @@ def worker(job: dict) -> dict:
                 runner = live_runners()[-1]
                 res["runner_stats"] = {**runner.stops.stats, "live": runner.stops.live_record(),
                                        "draft_kv": dict(runner.draft_kv),
-                                       "gate": runner.gate.record() if runner.gate is not None else None}
+                                       "gate": runner.gate.record() if runner.gate is not None else None,
+                                       "draft_quant": runner.draft_quant_record}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
             _say(f"{name}: failed")
@@ -311,8 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--sl-max", type=positive_int, default=8, help="specstop_confidence's cap on a draft (vLLM's num_speculative_tokens)")
     g.add_argument("--policy", type=existing_dir, default=None, help="a learned specstop export folder (specstop_learned)")
     g.add_argument("--draft-quant", default="none",
-                   help="specstop proposer draft weights: a comma list of none, int8, int4 (one method per scheme, "
-                        "named METHOD_int4 etc.; specstop.pair.quantize)")
+                   help="specstop proposer and runner draft weights: a comma list of none, int8, int4 (one method per "
+                        "scheme, named METHOD_int4 etc.; specstop.pair.quantize)")
     g.add_argument("--proposer-schedule", default=None,
                    help="B:K,... (as --schedule): a per-batch-size cap on the drafts of every specstop proposer "
                         "and runner method (K = 0: no drafts at those B)")
@@ -486,12 +488,12 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
         if args.no_speculation_gate and m["name"] in RUNNER_METHODS:
             m["additional_config"]["specstop"]["speculation_gate"] = False
             m["label"] += ", no speculation gate"
-        if m["name"] not in PROPOSER_METHODS:
+        if m["name"] not in PROPOSER_METHODS + RUNNER_METHODS:
             if priced and m.get("predicted"):
                 m["predicted"] = None  # vLLM's own float draft runs these, not the timed quantized one
             out.append(m)
             continue
-        if schedule:
+        if schedule and m["name"] in PROPOSER_METHODS:
             _cap_by_batch(m, schedule)
         for scheme in schemes:
             if scheme is None:
@@ -504,7 +506,7 @@ def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[di
             if scheme != priced:
                 v["predicted"] = None
             v["additional_config"]["specstop"]["draft_quant"] = scheme
-            if m["name"] == "specstop_learned":
+            if m["name"] in ("specstop_learned", "runner_learned"):
                 v["additional_config"]["specstop"]["allow_draft_mismatch"] = True
             out.append(v)
     return out
@@ -945,10 +947,14 @@ def markdown(record: dict) -> str:
                                   f"{g['rounds_drafting']} / {g['rounds_skipping']}, held {g['rounds_held']}"
                                   for b, g in gate.get("by_batch", {}).items()]
                                  + ([f"feed {gate['feed_ms_per_token']} ms per token"] if gate else []))
+                quant = e.get("draft_quant")
+                quant = (f"; {quant['scheme']} draft: {quant['layers']} layers packed, blocks from "
+                         f"{quant['prefill_rows']} rows on vLLM's float GEMM (timed ms packed / float: "
+                         f"{quant['timed_ms']})" if quant else "")
                 lines.append(f"- `{name}` pass {e['pass']}: {e['rounds']} rounds, {e['steps']} draft forwards, "
                              f"lengths {{{lengths}}}, settings {e['settings']}, {switches} live switch(es), "
                              f"{kv.get('skipped_steps', 0)} skipped steps ({kv.get('caught_up_tokens', 0)} tokens "
-                             f"caught up), gate {gate or 'off'}")
+                             f"caught up), gate {gate or 'off'}{quant}")
     if record.get("errors"):
         lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
                                            for n, errs in record["errors"].items() for e in errs]

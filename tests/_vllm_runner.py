@@ -111,7 +111,8 @@ def run(job: dict) -> dict:
 
                 runner = live_runners()[-1]
                 res["runner"] = {**runner.stops.stats, "draft_kv": dict(runner.draft_kv),
-                                 "gate": None if runner.gate is None else runner.gate.record()}
+                                 "gate": None if runner.gate is None else runner.gate.record(),
+                                 "draft_quant": runner.draft_quant_record}
         except Exception:  # noqa: BLE001
             res["error"] = traceback.format_exc()
         res["generate_s"] = time.perf_counter() - t0

@@ -213,7 +213,8 @@ def test_vllm_serving_runner_methods_keep_the_files_per_batch_caps():
 @needs_vllm
 def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     """--smoke: a tiny pair vLLM serves, no speculation / vLLM's draft model / a batch schedule / specstop's
-    proposer and specstop's stop in vLLM's runner with a confidence rule, at B = 1 and 2; lossless, vLLM's
+    proposer and specstop's stop in vLLM's runner with a confidence rule (both also with an int4 draft), at B = 1
+    and 2; lossless, vLLM's
     counters show each method's drafts. The runner runs without its speculation gate: on the tiny pair the gate
     may measure that drafting does not pay and skip it for a whole short request (tests/test_vllm_engine.py
     checks the gate)."""
@@ -222,9 +223,10 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     assert run_script(BENCH / "vllm_serving.py", ["--smoke", "--no-speculation-gate", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert [m["name"] for m in record["methods"]] == ["no_spec", "draft_k2", "schedule", "specstop_confidence",
-                                                      "specstop_confidence_int4", "runner_confidence"]
+                                                      "specstop_confidence_int4", "runner_confidence",
+                                                      "runner_confidence_int4"]
     rows = _serving_rows(record, may_not_draft=(("specstop_confidence", 2), ("specstop_confidence_int4", 2),
-                                                ("runner_confidence", 2)))
+                                                ("runner_confidence", 2), ("runner_confidence_int4", 2)))
     assert set(rows) == {(m["name"], b) for m in record["methods"] for b in (1, 2)}
     assert rows["draft_k2", 1]["draft_len"] == rows["draft_k2", 2]["draft_len"] == 2
     assert rows["schedule", 1]["draft_len"] == 2 and 1 <= rows["schedule", 2]["draft_len"] < 1.5  # schedule 1:2,2:1
@@ -235,13 +237,15 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
         costs = record["engine_costs"][name][0]
         assert costs["draft_per_token"]["1"] > 0 and all(v > 0 for v in costs["target_step"].values())
     # specstop's stop in vLLM's own runner: batched rounds, drafts of the policy's lengths (SL_max 4)
-    assert 1 <= rows["runner_confidence", 1]["draft_len"] <= 4
-    assert rows["runner_confidence", 2]["spec"]["drafts"] < rows["runner_confidence", 1]["spec"]["drafts"]
-    stats = record["runner_stats"]["runner_confidence"][0]
-    assert stats["rounds"] > 0 and stats["settings"] == {"greedy": "confidence:0.4"}
+    for name in ("runner_confidence", "runner_confidence_int4"):
+        assert 1 <= rows[name, 1]["draft_len"] <= 4
+        assert rows[name, 2]["spec"]["drafts"] < rows[name, 1]["spec"]["drafts"]
+        stats = record["runner_stats"][name][0]
+        assert stats["rounds"] > 0 and stats["settings"] == {"greedy": "confidence:0.4"}
+    assert stats["draft_quant"]["scheme"] == "int4" and stats["draft_quant"]["layers"] > 0
     assert record["versions"]["vllm"] and record["versions"]["torch"] and record["host"]["cpu_model"]
     assert set(record["reference"]) == {"1", "2"}  # no_spec's top-2 logprobs, for the gap where outputs differ
-    assert len(record["runs"]) == 6 * 2 and not record["errors"]
+    assert len(record["runs"]) == 7 * 2 and not record["errors"]
     for (name, b), row in rows.items():  # every engine step timed: decode steps with all B rows, the tail apart
         steps = row["steps"]
         assert steps["full_steps"] > 0 and steps["full_median_s"] > 0 and 0 <= steps["partial_share"] < 1, (name, b)

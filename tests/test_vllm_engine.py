@@ -250,6 +250,29 @@ def test_the_runner_skips_the_draft_where_no_row_drafts_and_catches_its_cache_up
     assert rate["batch1"] > 0.9 and rate["batched"] >= rate["batch1"] - 0.05, (rate, kv)
 
 
+def test_the_runner_drafts_with_an_int4_draft_in_vllms_own_runner(exported, tmp_path):
+    """``draft_quant: int4`` in the runner: vLLM's draft loads with its layers packed int4 for small blocks
+    (the crossover with vLLM's float GEMM timed as it loads), drafts batched, and the output stays vLLM's own
+    without speculation. The target drafts for itself, so its int4 copy's drafts are mostly accepted."""
+    pair_dir, _ = exported
+    target = str(pair_dir / "target")
+    conf = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+    extra = {"specstop": {"policy": {"kind": "confidence", "threshold": 1e-6, "sl_max": 4}, "draft_quant": "int4",
+                          "speculation_gate": False}}
+    res = run_vllm(tmp_path, pair_dir / "target", [
+        {"name": "plain"},
+        {"name": "int4", "speculative_config": conf, "additional_config": extra,
+         "worker_cls": "specstop.decode.vllm_worker.SpecstopWorker", "async_scheduling": False}])
+    for name, r in res.items():
+        assert not r.get("error"), f"{name}:\n{r['error']}"
+    assert res["int4"]["batch1"] == res["plain"]["batch1"] and res["int4"]["batched"] == res["plain"]["batched"]
+    quant = res["int4"]["runner"]["draft_quant"]
+    assert quant["scheme"] == "int4" and quant["layers"] > 0 and quant["bytes_packed"] < quant["bytes_float"] / 3
+    assert quant["timed_ms"] and quant["prefill_rows"] >= 1
+    for counters in res["int4"]["spec"].values():
+        assert counters["drafts"] > 0 and counters["accepted_tokens"] / counters["draft_tokens"] > 0.5, counters
+
+
 def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):
     """`specstop calibrate-cost --engine vllm` on the tiny pair in float32 at batch sizes 1 and 2 (and ``flags``),
     with vLLM's venv and environment, into a folder that does not exist yet; the cost model it wrote."""

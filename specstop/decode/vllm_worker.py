@@ -42,14 +42,15 @@ export tuned per setting (``by_decoding``) runs each request's own entry, logged
 Other ``specstop`` settings: ``live_pricing`` (default true: the proposer times its draft rounds and the
 target steps between them and re-prices a policy that carries statistics, :mod:`specstop.decode.live_pricing`),
 ``speculation_gate`` (default true: drafting per batch size only where it is measured to pay, above),
-``cost_model`` (the table those timings are measured against), ``allow_draft_mismatch``.
+``cost_model`` (the table those timings are measured against), ``draft_quant`` (below), ``allow_draft_mismatch``.
 
 Limits, each refused in one line: vLLM's async scheduling (on by default on GPU; the CPU build has none)
 scatters a fixed block of ``num_speculative_tokens`` drafts per request on the device, so it must be off
 (``async_scheduling=False``); Model Runner V2 builds its own proposers; draft and target must share the
 vocabulary. Where vLLM's rejection sampler cannot expand float settings per draft token (vLLM 0.32.0's CPU
-build: see :func:`fix_rejection_expand`), the worker replaces that one function in its process. The draft runs as vLLM loads it (vLLM's CPU build runs bf16 and float32 drafts; specstop's
-int4 draft runs through the ``custom_class`` proposer of :mod:`specstop.decode.vllm_proposer`).
+build: see :func:`fix_rejection_expand`), the worker replaces that one function in its process. The draft runs
+as vLLM loads it (bf16 or float32 on vLLM's CPU build), or with ``draft_quant`` ("int4", "int8"; CPU engines)
+its layers packed weight-only for decode passes as it loads (:mod:`specstop.decode.vllm_draft_quant`).
 
 This module imports vLLM, and nothing imports it: vLLM's worker loads it by name (``worker_cls``). What a
 caller reads in specstop's own environment (the live runners) is in :mod:`specstop.decode.vllm_draft_runner`.
@@ -62,15 +63,18 @@ import math
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from specstop import clock
 from specstop.decode.row_stops import RowStops, row_setting
 from specstop.decode.speculation_gate import SpeculationGate, Step
+from specstop.decode.vllm_draft_quant import quantized_cpu_gemms
 from specstop.decode.vllm_draft_runner import register
 from specstop.decode.vllm_proposer import SETTINGS_KEY, live_cost_table, load_policy, read_setting
 from specstop.errors import UserError
+from specstop.pair.quantize import check_scheme
 
 WHO = "specstop's vLLM draft runner"
 
@@ -86,13 +90,14 @@ class SpecstopDraftModelProposer(DraftModelProposer):
 
     Args:
         vllm_config: vLLM's ``VllmConfig``; reads ``additional_config["specstop"]`` (``policy``, optional
-            ``live_pricing``, ``speculation_gate``, ``cost_model``, ``allow_draft_mismatch``).
+            ``live_pricing``, ``speculation_gate``, ``cost_model``, ``draft_quant``, ``allow_draft_mismatch``).
         device: the engine's device.
         runner: vLLM's model runner (its input batch holds each request's sampling settings and prompt length).
 
     Raises:
         UserError: missing or malformed settings, a learned policy exported for another draft, a policy
-            that reads a hidden layer other than the last, or a draft with another vocabulary.
+            that reads a hidden layer other than the last, a draft with another vocabulary, or ``draft_quant``
+            on an engine that does not run on the CPU.
     """
 
     def __init__(self, vllm_config, device: torch.device, runner=None) -> None:
@@ -109,7 +114,13 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             raise UserError(f"{WHO}: the draft and the target have different vocabularies; specstop's policies read "
                             "the shared vocabulary's distribution, so serve a pair that shares its tokenizer")
         draft = str(self.speculative_config.draft_model_config.model)
-        policy = load_policy(settings["policy"], draft, None,
+        self.draft_quant = check_scheme(settings.get("draft_quant"))
+        if self.draft_quant is not None and not current_platform.is_cpu():
+            raise UserError(f"{WHO}: draft_quant {self.draft_quant!r} runs on PyTorch's CPU kernels and this engine "
+                            f"runs on {current_platform.device_name}; leave draft_quant out there")
+        #: the quantized draft's layers and bytes (None: the draft as vLLM loads it)
+        self.draft_quant_record: dict | None = None
+        policy = load_policy(settings["policy"], draft, self.draft_quant,
                              read_setting(settings, "allow_draft_mismatch", bool, False, WHO), WHO)
         if policy.needs_hidden and policy.hidden_layer not in (-1, None):
             raise UserError(f"{WHO}: policy {policy.label} reads the draft's hidden layer {policy.hidden_layer}; vLLM's "
@@ -143,6 +154,22 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         # the draft's first pass of the step: tokens fed, when it began, its seconds (the gate prices a fed token)
         self._first_pass_tokens, self._pass_began, self._first_pass_s = 0, 0.0, None
         register(self)
+
+    def _get_model(self):
+        """vLLM's draft, its layers weight-only quantized for decode passes where ``draft_quant`` says
+        (:mod:`specstop.decode.vllm_draft_quant`)."""
+        if self.draft_quant is None:
+            return super()._get_model()
+        with quantized_cpu_gemms(self.draft_quant) as record:
+            model = super()._get_model()
+        self.draft_quant_record = record
+        one = (record["timed_ms"] or {}).get(1)
+        logger.info(f"specstop: the draft runs {record['layers']} layers {record['scheme']} weight-only for blocks under "
+                    f"{record['prefill_rows']} rows ({record['bytes_float'] / 2**20:.0f} MiB -> "
+                    f"{record['bytes_packed'] / 2**20:.0f} MiB per decode pass), vLLM's float GEMM from there (timed "
+                    "here" + (f"; one row: {one[0]:.1f} ms packed, {one[1]:.1f} ms float" if one else "") + ")"
+                    + (f"; {record['kept']} layers stay float" if record["kept"] else ""))
+        return model
 
     # ------------------------------------------------------------------ vLLM's draft loop, per step
     def set_inputs_first_pass(self, *args, **kwargs):

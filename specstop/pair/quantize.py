@@ -177,6 +177,28 @@ def _int4_group(in_features: int, group_size: int | None) -> int | None:
     return next((g for g in INT4_GROUPS if in_features % g == 0), None)
 
 
+def weight_only(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> _WeightOnlyLinear | None:
+    """A bias-free weight-only ``scheme`` layer multiplying by ``weight`` ``[out, in]`` (a copy, packed), or None
+    where no int4 group size divides ``in``: for engines that keep their own layers and bias (vLLM's, see
+    :mod:`specstop.decode.vllm_draft_quant`).
+
+    Args:
+        weight: ``[out, in]`` float weight on CPU.
+        scheme: "int8" or "int4".
+        group_size: int4 inputs per scale/zero pair (None: the largest of :data:`INT4_GROUPS` dividing ``in``).
+    """
+    scheme = check_scheme(scheme)
+    if scheme is None:
+        raise UserError("weight_only needs a scheme: " + ", ".join(SCHEMES))
+    out_features, in_features = weight.shape
+    group = _int4_group(in_features, group_size) if scheme == "int4" else None
+    if scheme == "int4" and group is None:
+        return None
+    linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return Int8WeightOnlyLinear(linear) if scheme == "int8" else Int4WeightOnlyLinear(linear, group)
+
+
 def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = None,
                      prefill_rows: int | None = None) -> dict:
     """Replace ``model``'s ``nn.Linear`` layers (output head included) by weight-only ``scheme`` layers, in place.
