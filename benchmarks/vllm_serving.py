@@ -472,8 +472,8 @@ def _cap_by_batch(method: dict, schedule: list[list[int]]) -> None:
 
 
 def _proposer_variants(methods: list[dict], args: argparse.Namespace) -> list[dict]:
-    """``--proposer-schedule`` applied to every specstop proposer and runner method, then one copy of each proposer per
-    ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself). Predictions
+    """``--proposer-schedule`` applied to every specstop proposer and runner method, then one copy of each proposer
+    and runner per ``--draft-quant`` scheme (named ``<method>_<scheme>``; "none" keeps the method itself). Predictions
     stay only on the methods that run the draft the engines file's cost model timed."""
     from specstop.pair.quantize import check_scheme
 

@@ -15,7 +15,8 @@ sampled requests of one prompt (request i of a group with seed i), all in one ca
 "samples": [[[ids]] per group], "runner": stats, "start_s", "generate_s", "error"}}``; spec
 counters are vLLM's own (drafts, draft tokens, accepted tokens) for that pass; ``runner``: specstop's
 draft runner's counters (rows per draft length, the policy each decoding setting ran, ``draft_kv``: steps that
-skipped the draft and tokens fed again to catch its cache up).
+skipped the draft and tokens fed again to catch its cache up, ``gate``: the speculation gate's record,
+``draft_quant``: the quantized draft's layers and timed crossover, or None).
 """
 
 from __future__ import annotations
