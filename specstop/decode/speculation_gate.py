@@ -74,7 +74,8 @@ class SpeculationGate:
         self._since: dict[int, int] = {}
         self._best: dict[int, bool] = {}
         self._held: dict[int, bool] = {}
-        self.rounds: dict[int, dict[bool, int]] = {}
+        #: per batch size: rounds drafting (True), skipping (False), and of those skipping, held by the one-off cost ("held")
+        self.rounds: dict[int, dict[bool | str, int]] = {}
         self._passes: dict[bool, deque] = {False: deque(maxlen=PASSES), True: deque(maxlen=LARGE_PASSES)}
         self._steps: list[Step] = []  # the last two engine steps
 

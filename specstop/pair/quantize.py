@@ -177,6 +177,15 @@ def _int4_group(in_features: int, group_size: int | None) -> int | None:
     return next((g for g in INT4_GROUPS if in_features % g == 0), None)
 
 
+def _weight_only_layer(linear: nn.Linear, scheme: str, group_size: int | None,
+                       prefill_rows: int | None) -> _WeightOnlyLinear | None:
+    """``linear`` as a weight-only ``scheme`` layer, or None where no int4 group size divides its inputs."""
+    if scheme == "int8":
+        return Int8WeightOnlyLinear(linear, prefill_rows)
+    group = _int4_group(linear.in_features, group_size)
+    return None if group is None else Int4WeightOnlyLinear(linear, group, prefill_rows)
+
+
 def weight_only(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> _WeightOnlyLinear | None:
     """A bias-free weight-only ``scheme`` layer multiplying by ``weight`` ``[out, in]`` (a copy, packed), or None
     where no int4 group size divides ``in``: for engines that keep their own layers and bias (vLLM's, see
@@ -191,12 +200,9 @@ def weight_only(weight: torch.Tensor, scheme: str, group_size: int | None = None
     if scheme is None:
         raise UserError("weight_only needs a scheme: " + ", ".join(SCHEMES))
     out_features, in_features = weight.shape
-    group = _int4_group(in_features, group_size) if scheme == "int4" else None
-    if scheme == "int4" and group is None:
-        return None
     linear = nn.Linear(in_features, out_features, bias=False, device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return Int8WeightOnlyLinear(linear) if scheme == "int8" else Int4WeightOnlyLinear(linear, group)
+    return _weight_only_layer(linear, scheme, group_size, None)
 
 
 def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = None,
@@ -232,16 +238,14 @@ def quantize_weights(model: nn.Module, scheme: str, *, group_size: int | None = 
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
         before = mod.weight.numel() * mod.weight.element_size()
-        group = _int4_group(mod.in_features, group_size) if scheme == "int4" else None
-        if scheme == "int4" and group is None:
+        new = _weight_only_layer(mod, scheme, group_size, prefill_rows)
+        if new is None:
             record["kept"] += 1
             record["bytes_before"] += before
             record["bytes_after"] += before
             continue
-        if group is not None:
-            groups.add(group)
-        new = (Int8WeightOnlyLinear(mod, prefill_rows) if scheme == "int8"
-               else Int4WeightOnlyLinear(mod, group, prefill_rows))
+        if scheme == "int4":
+            groups.add(new.group_size)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
