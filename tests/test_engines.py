@@ -10,6 +10,7 @@ import pytest
 from specstop.cli import main
 from specstop.errors import UserError
 from specstop.export.engines import ENGINES, engine_settings, llamacpp_flags, validate_engine_file
+from specstop.export.engines.vllm import VLLM_WORKER_CLASS
 from specstop.policy import PolicySpec
 
 COST = {"t_draft": 0.01, "t_target": 0.03, "verify_per_token": 0.0, "predictor_per_step": 0.0, "kind": "specdecpp"}
@@ -313,22 +314,43 @@ def test_a_file_where_nothing_pays_recommends_no_speculation(tmp_path):
 
 
 def test_vllm_options_with_a_quantized_draft(tmp_path, capsys):
-    """--draft-quant int4: every option runs through specstop's proposer (static K too) with the int4 draft,
-    learned options are left out, and the file says whose draft's costs priced it."""
+    """--draft-quant int4: every rule runs in vLLM's batched runner with the int4 draft (static K too), the
+    heuristic through specstop's proposer; the learned option is kept only where its export was trained on the
+    int4 draft's features; and the file says whose draft's costs priced it."""
     tuned = _tuned(tmp_path)
-    vllm = engine_settings(tuned, "vllm", draft="d", target="t", draft_quant="int4",
-                           hf_export=("confidence_opt", str(tmp_path)))
+    tuned["policies"]["disco"] = {"spec": PolicySpec(kind="predictor", family="disco_ffn", threshold=0.5, sl_max=6,
+                                                     reads="dist").to_dict(),
+                                  "validation": {"speedup": 1.6, "latency_per_token": 0.02, "tokens_per_round": 3.0}}
+    exports = {}
+    for quant in ("int4", None):
+        folder = tmp_path / f"export_{quant}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"pair": {"draft": {"quant": quant}}}))
+        exports[quant] = str(folder)
+    vllm = engine_settings(tuned, "vllm", draft="d", target="t", draft_quant="int4", hf_export=("disco", exports["int4"]))
+    assert list(vllm["options"]) == ["static_opt", "heuristic_opt", "confidence_opt", "disco"]
     for name, opt in vllm["options"].items():
-        assert opt["speculative_config"]["method"] == "custom_class", name
         assert opt["additional_config"]["specstop"]["draft_quant"] == "int4", name
+        runner = name != "heuristic_opt"
+        assert (opt.get("worker_cls") == VLLM_WORKER_CLASS) == runner, name
+        assert opt["speculative_config"]["method"] == ("draft_model" if runner else "custom_class"), name
+        assert ("--worker-cls" in opt["command"]) == runner and "draft_quant" in opt["command"], name
     assert vllm["options"]["static_opt"]["additional_config"]["specstop"]["policy"]["kind"] == "static"
+    assert vllm["options"]["disco"]["additional_config"]["specstop"]["policy"] == exports["int4"]
+    # an export trained on the float draft's features would be refused by the int4 runner: left out
+    floats = engine_settings(tuned, "vllm", draft="d", target="t", draft_quant="int4", hf_export=("disco", exports[None]))
+    assert "disco" not in floats["options"]
+    # and without --draft-quant, the float export runs in the runner with vLLM's own draft
+    plain = engine_settings(tuned, "vllm", draft="d", target="t", hf_export=("disco", exports[None]))
+    assert "draft_quant" not in plain["options"]["disco"]["additional_config"]["specstop"]
     assert vllm["draft_quant"]["scheme"] == "int4" and "calibrate-cost --engine vllm --draft-quant int4" in \
         vllm["draft_quant"]["note"]
     validate_engine_file("vllm", json.loads(json.dumps(vllm)))
-    bad = json.loads(json.dumps(vllm))
-    bad["options"]["confidence_opt"]["additional_config"]["specstop"]["draft_quant"] = "int3"
-    with pytest.raises(UserError, match="draft_quant must be one of int8, int4"):
-        validate_engine_file("vllm", bad)
+    for name in ("confidence_opt", "heuristic_opt"):  # the runner's setting and the proposer's
+        bad = json.loads(json.dumps(vllm))
+        bad["options"][name]["additional_config"]["specstop"]["draft_quant"] = "int3"
+        with pytest.raises(UserError, match="draft_quant must be one of int8, int4"):
+            validate_engine_file("vllm", bad)
     assert main(["export", "--tuned", str(tmp_path / "tuned.json"), "--out", str(tmp_path / "x"), "--for", "llamacpp",
                  "--draft-quant", "int4"]) == 2
     assert "--draft-quant applies to --for vllm" in capsys.readouterr().err

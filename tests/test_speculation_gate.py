@@ -21,7 +21,7 @@ def _run(gate: SpeculationGate, batch_size: int, rounds: int, price) -> list[boo
 
 def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
     lines = []
-    gate = SpeculationGate(explore=4, window=3, log=lines.append)
+    gate = SpeculationGate(explore=4, window=3, min_rounds=1, log=lines.append)
     # batch size 8: drafting costs 30 ms per token, skipping 20: measured once each, then skipping, with one
     # drafting round every 4th decision
     got = _run(gate, 8, 10, lambda d: 0.030 if d else 0.020)
@@ -39,7 +39,7 @@ def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
 def test_a_cost_that_moves_turns_the_choice_around():
     """Drafting gets cheaper while the gate skips: the retry sees it, and the median of the last ``window``
     drafting rounds follows it within a few retries."""
-    gate = SpeculationGate(explore=2, window=3)
+    gate = SpeculationGate(explore=2, window=3, min_rounds=1)
     cost = {True: 0.030, False: 0.020}
     assert _run(gate, 4, 5, lambda d: cost[d]) == [True, False, False, True, False]
     cost[True] = 0.010
@@ -99,6 +99,34 @@ def test_drafting_that_must_first_feed_the_draft_waits_until_its_saving_pays_for
     # a request ends early: batch size 7 has no prices yet, and is held at batch size 8's
     assert gate.choose(7, one_off=700, tokens_left=20) is False and gate.record()["by_batch"]["7"]["rounds_held"] == 1
     assert gate.choose(7) is True  # nothing to feed: drafting is tried first, as before
+
+
+def test_one_dear_round_does_not_stop_drafting_nor_hold_it_off_for_good():
+    """A first drafting round that drafted long and kept one token prices drafting at 132 ms per token against
+    83 without: drafting goes on until ``min_rounds`` rounds price it (then 45 ms: kept). A gate that did leave
+    drafting (min_rounds 1) holds it while each new request's prompt must be fed first, at the dear price; its
+    try every ``explore`` rounds goes ahead where the feed costs at most a tenth of those rounds, and renews the
+    price, and a feed dearer than that stays held."""
+    prices = iter([0.132] + [0.045] * 40)
+    gate = SpeculationGate(explore=16)
+    assert _run(gate, 1, 6, lambda d: next(prices) if d else 0.083) == [True, False, True, True, True, True]
+    assert gate.record()["by_batch"]["1"]["drafting"] is True
+
+    gate = SpeculationGate(explore=16, min_rounds=1)
+    gate.observe_first_pass(8, 0.030, large=False)
+    gate.observe_first_pass(808, 0.830, large=True)  # 1 ms per token fed
+    gate.observe(1, True, 0.132, 1.0)
+    gate.observe(1, False, 0.083, 1.0)
+    choices = [gate.choose(1, one_off=79, tokens_left=48) for _ in range(16)]
+    assert choices == [False] * 15 + [True]  # the try: 79 ms of feed, within 0.1 x 16 x 83 ms
+    gate.observe(1, True, 0.045, 3.0)  # what the try's round cost: drafting is cheaper again
+    assert gate.choose(1, one_off=0) is True
+    dear = SpeculationGate(explore=16, min_rounds=1)
+    dear.observe_first_pass(8, 0.030, large=False)
+    dear.observe_first_pass(808, 0.830, large=True)
+    dear.observe(8, True, 0.110, 1.0)
+    dear.observe(8, False, 0.100, 1.0)
+    assert not any(dear.choose(8, one_off=737, tokens_left=46) for _ in range(32))  # 0.74 s: beyond 0.16 s
 
 
 def test_a_steps_choice_is_priced_by_the_target_step_that_verified_its_drafts():

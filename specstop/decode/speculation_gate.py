@@ -9,8 +9,10 @@ batch size, the seconds per generated token of each choice, measured from one en
 with the same requests (the draft round, if any, and the target step after it, over the tokens each
 request advanced). A choice's price is the seconds of its last :data:`WINDOW` rounds over the tokens they
 advanced (a ratio of sums: one round's ratio swings with how many drafts it kept). Drafting, which the
-export's caps chose, is kept unless skipping is measured at least :data:`MARGIN` cheaper; the choice not in
-use is tried again every :data:`EXPLORE` rounds at that batch size, so a cost that moves is seen. Only
+export's caps chose, is kept until :data:`MIN_ROUNDS` rounds price it (one round that drafted 16 tokens and
+kept one costs 130 ms per token where drafting averages 45), and then unless skipping is measured at least
+:data:`MARGIN` cheaper; the choice not in use is tried again every :data:`EXPLORE` rounds at that batch size,
+so a cost that moves is seen. Only
 whether drafting happens changes, never what the target verifies: output stays lossless whatever the gate
 decides.
 
@@ -21,7 +23,9 @@ phase 1.02x): eight prompts through the draft, paid back over 48 tokens by a rou
 also prices a token fed to the draft (:meth:`SpeculationGate.observe_first_pass`: the slope of the draft's
 first-pass seconds over the tokens it fed), and a step that would first feed the draft ``one_off`` tokens
 drafts only where the round's saving over the tokens its requests have left pays for them
-(:meth:`SpeculationGate.choose`).
+(:meth:`SpeculationGate.choose`). That rule reads drafting's last price, which only drafting renews: a try of
+drafting (every :data:`EXPLORE` rounds) goes ahead wherever its feed costs at most :data:`TRY_FEED_SHARE` of the
+rounds between two tries, so one dear price cannot hold drafting off for good.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ EXPLORE = 16
 WINDOW = 16
 #: How much cheaper skipping must be measured before the gate leaves drafting (noise is not a reason).
 MARGIN = 0.05
+#: Rounds that must price drafting before the gate may leave it (a round or two is noise).
+MIN_ROUNDS = 4
+#: The most a try of drafting may spend feeding the draft, as a share of the rounds between two tries (at the
+#: price of skipping): a try of drafting renews its price, which the one-off rule reads.
+TRY_FEED_SHARE = 0.1
 #: First passes kept to price a token fed to the draft: decode-sized ones, and ones that fed a prefill or a
 #: catch-up (kept apart, so that the few large ones stay in the price among many small ones).
 PASSES = 64
@@ -64,12 +73,14 @@ class SpeculationGate:
         explore: rounds at a batch size between two tries of the choice not in use.
         window: rounds per batch size and choice kept; their seconds over their tokens are the choice's price.
         margin: how much cheaper skipping must be measured before drafting stops.
+        min_rounds: rounds that must price drafting at a batch size before the gate may leave it there.
         log: where each change of a batch size's choice is said (one line), or None.
     """
 
     def __init__(self, explore: int = EXPLORE, window: int = WINDOW, margin: float = MARGIN,
-                 log: Callable[[str], None] | None = None):
+                 min_rounds: int = MIN_ROUNDS, log: Callable[[str], None] | None = None):
         self.explore, self.window, self.margin, self.log = int(explore), int(window), float(margin), log
+        self.min_rounds = max(1, min(int(min_rounds), self.window))
         self._seen: dict[int, dict[bool, deque]] = {}
         self._since: dict[int, int] = {}
         self._best: dict[int, bool] = {}
@@ -90,10 +101,12 @@ class SpeculationGate:
 
     def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
-        tried first (drafting before skipping); then drafting unless skipping is ``margin`` cheaper, the other
-        choice every ``explore`` rounds. Drafting that would first feed the draft ``one_off`` tokens (prompts,
-        skipped tokens) is chosen only where skipping's extra seconds over ``tokens_left`` exceed theirs, at
-        this batch size's prices, or the nearest priced batch size's where this one has none yet.
+        tried first (drafting before skipping); then drafting until ``min_rounds`` rounds price it, and unless
+        skipping is ``margin`` cheaper, the other choice every ``explore`` rounds. Drafting that would first feed
+        the draft ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds
+        over ``tokens_left`` exceed theirs, at this batch size's prices, or the nearest priced batch size's
+        where this one has none yet; a try of drafting, also where the feed costs at most
+        :data:`TRY_FEED_SHARE` of the ``explore`` rounds before it.
 
         Args:
             batch_size: requests in the step.
@@ -111,18 +124,20 @@ class SpeculationGate:
                 # a batch size met first (a request ended early) prices the one-off cost with the nearest one
                 choice = self._pays_back(b, self.price(near, True), self.price(near, False), one_off, tokens_left)
         else:
-            best = spec * (1.0 - self.margin) < skip
+            best = spec * (1.0 - self.margin) < skip or len(self._at(b)[True]) < self.min_rounds
             if self._best.get(b) != best and self.log is not None:
                 self.log(f"specstop: at batch size {b} drafting costs {1e3 * spec:.1f} ms per token against "
                          f"{1e3 * skip:.1f} without: {'drafting' if best else 'the draft is skipped'} at this batch "
                          f"size (the other is tried again every {self.explore} rounds)")
             self._best[b] = best
             self._since[b] = self._since.get(b, 0) + 1
-            choice = best
+            choice, trying = best, False
             if self._since[b] >= self.explore:
                 self._since[b], choice = 0, not best
+                trying = choice
             if choice:
-                choice = self._pays_back(b, spec, skip, one_off, tokens_left)
+                choice = self._pays_back(b, spec, skip, one_off, tokens_left,
+                                         budget=TRY_FEED_SHARE * self.explore * skip if trying else 0.0)
         counts[choice] += 1
         return choice
 
@@ -132,14 +147,16 @@ class SpeculationGate:
                   and self.price(n, False) is not None]
         return min(priced, key=lambda n: (abs(n - b), -n)) if priced else None
 
-    def _pays_back(self, b: int, spec: float, skip: float, one_off: int, tokens_left: float) -> bool:
+    def _pays_back(self, b: int, spec: float, skip: float, one_off: int, tokens_left: float,
+                   budget: float = 0.0) -> bool:
         """Whether drafting at ``b`` saves, over ``tokens_left`` tokens, more than feeding the draft ``one_off``
-        tokens first costs (True where that cost is not priced yet); a change is said once."""
+        tokens first costs, or that cost is within ``budget`` seconds (a try of drafting); True where that cost
+        is not priced yet; a change is said once."""
         per_token = self.feed_price()
         if one_off <= 0 or per_token is None:
             return True
         cost, saved = per_token * one_off, (skip - spec) * tokens_left
-        held = saved <= cost
+        held = saved <= cost and cost > budget
         if held:
             self.rounds[b]["held"] += 1
         if self._held.get(b) != held and self.log is not None and held:

@@ -58,9 +58,10 @@ class ExportSettings:
     overwrite: bool = setting(False, flags=("--overwrite",), negatable=False)
     """Replace an existing, non-empty --out folder (after the new export passed its check)."""
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
-    """vllm: specstop's proposer quantizes its draft's weights (int8 or int4, specstop.pair.quantize) in
-    the rule options; tune with the same draft's costs (`calibrate-cost --engine vllm --draft-quant`).
-    Learned options are left out (they read the float draft's features)."""
+    """vllm (CPU build): the draft's weights run quantized (int8 or int4, weight-only) in every option: the
+    rules inside vLLM's batched draft runner, the heuristic in specstop's proposer; tune with the same draft's
+    costs (`calibrate-cost --engine vllm --draft-quant`). The learned option is kept only where its export was
+    trained on that draft's features (`specstop generate --draft-quant`)."""
     allow_missing_pair: bool = setting(False, flags=("--allow-missing-pair",), negatable=False)
     """Write an export without draft/target identities (decoders then cannot refuse a wrong draft)."""
 

@@ -11,9 +11,11 @@ hf          the draft model's ``generation_config``: ``num_assistant_tokens`` +
             as num_assistant_tokens), applied by :mod:`specstop.decode.hf_settings`; the learned
             predictor itself through ``generate(custom_generate=EXPORT)``.
 vllm        ``speculative_config.num_speculative_tokens`` = static K (a fixed draft length, vLLM's own
-            draft-model proposer); heuristic, confidence and learned policies through specstop's
-            proposer class (``method: custom_class``, :mod:`specstop.decode.vllm_proposer`), set up
-            by ``additional_config``.
+            draft-model proposer); confidence and learned policies (and with a quantized draft every
+            rule) inside that runner, stopped per request (``worker_cls``,
+            :mod:`specstop.decode.vllm_worker`); the heuristic through specstop's proposer class
+            (``method: custom_class``, :mod:`specstop.decode.vllm_proposer`); set up by
+            ``additional_config``.
 llamacpp    ``--spec-type draft-simple`` with ``--spec-draft-n-max`` / ``--spec-draft-n-min`` /
             ``--spec-draft-p-min`` (older builds: ``--draft-max`` / ``--draft-min`` /
             ``--draft-p-min``): static K (p-min 0), or SL_max with the confidence threshold as p-min.

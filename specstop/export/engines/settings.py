@@ -50,7 +50,9 @@ def _pair_names(manifest: dict | None) -> tuple[str, str]:
 def _quant_note(cost_model: dict | None, draft_quant: str) -> dict:
     """The quantized draft the proposer options run, and whether the tuned costs were measured with it."""
     measured = ((cost_model or {}).get("machine") or {}).get("draft_quant")
-    note = (f"priced with the {draft_quant} draft's own costs" if measured == draft_quant else
+    note = (f"priced with the {draft_quant} draft's own costs, as specstop's proposer timed them inside vLLM (the "
+            "runner options pack the same layers into vLLM's runner, whose steps were not timed)"
+            if measured == draft_quant else
             f"priced with the costs of a {measured or 'float'} draft, not the {draft_quant} one: measure with "
             f"`specstop calibrate-cost --engine vllm --draft-quant {draft_quant}` and tune again")
     return {"scheme": draft_quant, "note": note + "; acceptance replayed from the dataset's (float) draft"}
@@ -69,12 +71,13 @@ def engine_settings(tuned: dict, engine: str, *, manifest: dict | None = None, d
         draft, target: model names or files to write into commands (default: the manifest's).
         hf_export: ``(policy name, export folder)`` of a learned policy exported beside the file: an hf
             option that runs through ``generate(custom_generate=folder)``, and a vllm option that runs
-            it through specstop's proposer (learned predictors only).
+            it inside vLLM's draft-model runner (learned predictors only).
         folder: the folder the file is written to: its usage lines and commands name the files there
             (``hf.json``, TensorRT-LLM's YAML, SGLang's tiers) by that path, so they run from any
             directory; None: bare file names.
-        draft_quant: vllm only: specstop's proposer runs the draft quantized ("int8", "int4") in the rule
-            options; learned options are left out (their features come from the float draft).
+        draft_quant: vllm only: the draft runs quantized ("int8", "int4"; vLLM's CPU build) in every option:
+            rules in vLLM's runner (the heuristic in specstop's proposer), and the learned option only where its
+            export was trained on that quantized draft's features.
 
     Returns:
         ``{"engine", "recommended", "options": {policy: settings}, "cost_model", "source", ...}``;

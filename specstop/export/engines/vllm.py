@@ -1,8 +1,9 @@
 """vLLM: ``speculative_config.num_speculative_tokens`` = static K for vLLM's own draft-model proposer; the
 confidence and learned policies inside that same batched runner, stopped per request by specstop
-(``worker_cls``: :mod:`specstop.decode.vllm_worker`); the heuristic schedule and any policy on a
-quantized draft through specstop's proposer class (``method: custom_class``,
-:mod:`specstop.decode.vllm_proposer`); both set up by ``additional_config``; the batch schedule as
+(``worker_cls``: :mod:`specstop.decode.vllm_worker`), and with a quantized draft (``--draft-quant``) every
+rule there too, the draft's layers packed as vLLM loads it; the heuristic schedule through specstop's
+proposer class (``method: custom_class``, :mod:`specstop.decode.vllm_proposer`); both set up by
+``additional_config``; the batch schedule as
 ``num_speculative_tokens_per_batch_size``. Where ``calibrate-cost --engine vllm`` timed vLLM's draft-model
 runner, the options vLLM runs itself are re-priced with those steps."""
 
@@ -67,21 +68,27 @@ def capped_schedule(schedule: list, cap: int) -> list[list[int]]:
     return [[int(a), int(b), min(int(k), int(cap))] for a, b, k in schedule]
 
 
-def vllm_runner_config(draft: str, policy: dict | str, cap: int, *, schedule: list | None = None) -> dict:
+def vllm_runner_config(draft: str, policy: dict | str, cap: int, *, draft_quant: str | None = None,
+                       schedule: list | None = None) -> dict:
     """The engine settings that run ``policy`` (a rule's policy spec dict, a policy string or a learned
     policy's export folder) inside vLLM's own batched draft-model runner on ``draft``:
     ``{"speculative_config", "additional_config", "worker_cls", "async_scheduling"}``, each an ``LLM``
-    keyword. ``cap`` (SL_max) is ``num_speculative_tokens``; ``schedule`` caps it per batch size as vLLM's
-    ``num_speculative_tokens_per_batch_size`` does for its own runner."""
+    keyword. ``cap`` (SL_max) is ``num_speculative_tokens``; ``draft_quant`` ("int8", "int4"; CPU engines):
+    the runner packs the draft's layers weight-only as vLLM loads it (:mod:`specstop.decode.vllm_draft_quant`);
+    ``schedule`` caps the drafts per batch size as vLLM's ``num_speculative_tokens_per_batch_size`` does for
+    its own runner."""
     conf = {"method": "draft_model", "model": draft, "num_speculative_tokens": int(cap)}
     if schedule:
         conf["num_speculative_tokens_per_batch_size"] = capped_schedule(schedule, cap)
-    return {"speculative_config": conf, "additional_config": {VLLM_SETTINGS_KEY: {"policy": policy}},
+    settings: dict = {"policy": policy}
+    if draft_quant:
+        settings["draft_quant"] = draft_quant
+    return {"speculative_config": conf, "additional_config": {VLLM_SETTINGS_KEY: settings},
             "worker_cls": VLLM_WORKER_CLASS, "async_scheduling": False}
 
 
-def _runner_option(draft: str, target: str, policy: dict | str, cap: int) -> dict:
-    opt = vllm_runner_config(draft, policy, cap)
+def _runner_option(draft: str, target: str, policy: dict | str, cap: int, draft_quant: str | None = None) -> dict:
+    opt = vllm_runner_config(draft, policy, cap, draft_quant=draft_quant)
     return {**opt, "command": _vllm_command(target, opt["speculative_config"], opt["additional_config"],
                                             opt["worker_cls"]), "note": VLLM_RUNNER_NOTE}
 
@@ -111,21 +118,28 @@ def _option(entry: dict, ctx: Context) -> dict:
     from specstop.policy import PolicySpec
 
     cap = PolicySpec.from_dict(spec).cap
-    if spec["kind"] == "confidence" and not ctx.draft_quant:  # per request, inside vLLM's own runner
-        return _runner_option(ctx.draft, ctx.target, spec, cap)
+    # Per request, inside vLLM's own batched runner, a quantized draft too: specstop's proposer drafts one
+    # request after another, and on held-out prompts it ran at 0.42-0.88x of no speculation at batch sizes 2-8
+    # where the runner ran at 0.87-0.99x, and no faster at batch size 1 (docs/results/vllm_serving.md, "A tenth run").
+    if spec["kind"] == "confidence" or (spec["kind"] == "static" and ctx.draft_quant):
+        return _runner_option(ctx.draft, ctx.target, spec, cap, ctx.draft_quant)
     conf, additional = vllm_proposer_config(ctx.draft, spec, cap, draft_quant=ctx.draft_quant)
     return {"speculative_config": conf, "additional_config": additional,
             "command": _vllm_command(ctx.target, conf, additional), "note": VLLM_PROPOSER_NOTE}
 
 
 def _learned(entry: dict, export: str, ctx: Context) -> dict | None:
-    """A learned predictor inside vLLM's own draft-model runner (not with a quantized draft: its features come
-    from the float draft)."""
-    if entry["spec"]["kind"] != "predictor" or ctx.draft_quant:
+    """A learned predictor inside vLLM's own draft-model runner, on the draft its features were read from: the
+    float draft, or with ``--draft-quant`` an export trained on that quantized draft's data (`specstop generate
+    --draft-quant`); None otherwise (the runner would refuse it)."""
+    if entry["spec"]["kind"] != "predictor":
         return None
+    from specstop.export.reading import export_draft_quant
     from specstop.policy import PolicySpec
 
-    return _runner_option(ctx.draft, ctx.target, export, PolicySpec.from_dict(entry["spec"]).cap)
+    if (export_draft_quant(export) or None) != ctx.draft_quant:
+        return None
+    return _runner_option(ctx.draft, ctx.target, export, PolicySpec.from_dict(entry["spec"]).cap, ctx.draft_quant)
 
 
 # ---------------------------------------------------------------- costs: vLLM's own draft-model runner
@@ -159,8 +173,8 @@ def _price_vllm_runner(options: dict, tuned: dict, draft: str, target: str) -> N
     replayed is repriced with the runner's own decode steps at batch size 1, static_opt runs the K that
     is best there, and ``predicted_by_k`` lists the price of each K."""
     opt = options.get("static_opt")
-    if opt is None or (opt.get("speculative_config") or {}).get("method") == "custom_class":
-        return  # none, or run through specstop's proposer (a quantized draft)
+    if opt is None or opt.get("worker_cls") or (opt.get("speculative_config") or {}).get("method") == "custom_class":
+        return  # none, or run by specstop (a quantized draft): not vLLM's own fixed-K runner
     by_k = _runner_prices(tuned, 1)
     if not by_k:
         return
@@ -323,13 +337,18 @@ def _check_proposer(conf: dict, additional: Any, where: str) -> None:
     settings = additional.get(VLLM_SETTINGS_KEY) if isinstance(additional, dict) else None
     if not isinstance(settings, dict) or not isinstance(settings.get("draft"), str) or not settings["draft"]:
         raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft must name the draft model")
+    _check_draft_quant(settings, where)
+    _check_policy_setting(conf, settings, where, ("static", "heuristic", "confidence"))
+
+
+def _check_draft_quant(settings: dict, where: str) -> None:
+    """``draft_quant``: absent, or one of specstop's weight-only schemes."""
     if settings.get("draft_quant") is not None:
         from specstop.pair.quantize import SCHEMES
 
         if settings["draft_quant"] not in SCHEMES:
             raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY}.draft_quant must be one of "
                       f"{', '.join(SCHEMES)}, got {settings['draft_quant']!r}")
-    _check_policy_setting(conf, settings, where, ("static", "heuristic", "confidence"))
 
 
 def _check_runner(opt: dict, where: str) -> None:
@@ -347,6 +366,7 @@ def _check_runner(opt: dict, where: str) -> None:
     settings = additional.get(VLLM_SETTINGS_KEY) if isinstance(additional, dict) else None
     if not isinstance(settings, dict):
         raise bad("vllm", f"{where}: additional_config.{VLLM_SETTINGS_KEY} must hold the policy")
+    _check_draft_quant(settings, where)
     _check_policy_setting(conf, settings, where, ("static", "confidence"))
 
 
