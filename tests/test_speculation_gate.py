@@ -1,5 +1,6 @@
 """The speculation gate (specstop.decode.speculation_gate): per batch size, drafting unless skipping the draft is
-measured cheaper by its margin, the other choice tried again every ``explore`` rounds, each change said once."""
+measured cheaper by its margin, the other choice tried again after ``explore`` rounds (backing off while tries
+leave the choice as it was), each change said once."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _run(gate: SpeculationGate, batch_size: int, rounds: int, price) -> list[boo
 
 def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
     lines = []
-    gate = SpeculationGate(explore=4, window=3, min_rounds=1, log=lines.append)
+    gate = SpeculationGate(explore=4, window=3, min_rounds=1, backoff=0, log=lines.append)
     # batch size 8: drafting costs 30 ms per token, skipping 20: measured once each, then skipping, with one
     # drafting round every 4th decision
     got = _run(gate, 8, 10, lambda d: 0.030 if d else 0.020)
@@ -39,7 +40,7 @@ def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
 def test_a_cost_that_moves_turns_the_choice_around():
     """Drafting gets cheaper while the gate skips: the retry sees it, and the median of the last ``window``
     drafting rounds follows it within a few retries."""
-    gate = SpeculationGate(explore=2, window=3, min_rounds=1)
+    gate = SpeculationGate(explore=2, window=3, min_rounds=1, backoff=0)
     cost = {True: 0.030, False: 0.020}
     assert _run(gate, 4, 5, lambda d: cost[d]) == [True, False, False, True, False]
     cost[True] = 0.010
@@ -47,6 +48,20 @@ def test_a_cost_that_moves_turns_the_choice_around():
     assert gate.record()["by_batch"]["4"]["drafting"] is True and after[-4:] == [False, True, False, True]  # skip retried
     gate.observe(4, True, float("nan"), 1.0)  # a step that priced nothing moves nothing
     assert gate.price(4, True) == 0.010
+
+
+def test_tries_that_leave_the_choice_as_it_was_come_ever_rarer_until_one_turns_it():
+    """Drafting at 45 ms per token, skipping at 83: the tries of skipping come after 4, 8, 16 and then every 16
+    rounds (backoff 2); once skipping gets cheaper, a try sees it, the choice turns, and tries of drafting start
+    again after 4 rounds."""
+    gate = SpeculationGate(explore=4, window=1, min_rounds=1, backoff=2)
+    cost = {True: 0.045, False: 0.083}
+    got = _run(gate, 1, 2 + 4 + 8 + 16 + 16, lambda d: cost[d])
+    assert [i for i, d in enumerate(got) if not d] == [1, 5, 13, 29, 45]
+    cost[False] = 0.020
+    after = _run(gate, 1, 30, lambda d: cost[d])
+    assert after.index(False) == 15 and gate.record()["by_batch"]["1"]["drafting"] is False  # the try 16 on turned it
+    assert [i for i, d in enumerate(after) if d and i > 15] == [19, 27]  # tries of drafting after 4, then 8 rounds
 
 
 def test_a_price_is_seconds_over_tokens_and_noise_does_not_stop_drafting():

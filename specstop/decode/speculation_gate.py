@@ -11,8 +11,10 @@ request advanced). A choice's price is the seconds of its last :data:`WINDOW` ro
 advanced (a ratio of sums: one round's ratio swings with how many drafts it kept). Drafting, which the
 export's caps chose, is kept until :data:`MIN_ROUNDS` rounds price it (one round that drafted 16 tokens and
 kept one costs 130 ms per token where drafting averages 45), and then unless skipping is measured at least
-:data:`MARGIN` cheaper; the choice not in use is tried again every :data:`EXPLORE` rounds at that batch size,
-so a cost that moves is seen. Only
+:data:`MARGIN` cheaper; the choice not in use is tried again after :data:`EXPLORE` rounds at that batch size,
+so a cost that moves is seen, and after twice as many each time a try left the choice as it was (up to
+:data:`BACKOFF` doublings): a try costs what the dearer choice costs more, about 3% of the rounds at batch
+size 1 were it every 16 rounds there. Only
 whether drafting happens changes, never what the target verifies: output stays lossless whatever the gate
 decides.
 
@@ -37,8 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: Rounds at one batch size between two tries of the choice that is not in use.
+#: Rounds at one batch size between two tries of the choice that is not in use (before any back-off).
 EXPLORE = 16
+#: How many times the rounds between two tries may double while the tries leave the choice as it was.
+BACKOFF = 3
 #: Rounds kept per batch size and choice (their seconds over their tokens price it).
 WINDOW = 16
 #: How much cheaper skipping must be measured before the gate leaves drafting (noise is not a reason).
@@ -74,13 +78,16 @@ class SpeculationGate:
         window: rounds per batch size and choice kept; their seconds over their tokens are the choice's price.
         margin: how much cheaper skipping must be measured before drafting stops.
         min_rounds: rounds that must price drafting at a batch size before the gate may leave it there.
+        backoff: how many times the rounds between two tries may double while tries leave the choice as it was.
         log: where each change of a batch size's choice is said (one line), or None.
     """
 
     def __init__(self, explore: int = EXPLORE, window: int = WINDOW, margin: float = MARGIN,
-                 min_rounds: int = MIN_ROUNDS, log: Callable[[str], None] | None = None):
+                 min_rounds: int = MIN_ROUNDS, backoff: int = BACKOFF, log: Callable[[str], None] | None = None):
         self.explore, self.window, self.margin, self.log = int(explore), int(window), float(margin), log
         self.min_rounds = max(1, min(int(min_rounds), self.window))
+        self.backoff = max(0, int(backoff))
+        self._tries: dict[int, int] = {}  # per batch size: tries since the choice last changed
         self._seen: dict[int, dict[bool, deque]] = {}
         self._since: dict[int, int] = {}
         self._best: dict[int, bool] = {}
@@ -102,11 +109,12 @@ class SpeculationGate:
     def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
         tried first (drafting before skipping); then drafting until ``min_rounds`` rounds price it, and unless
-        skipping is ``margin`` cheaper, the other choice every ``explore`` rounds. Drafting that would first feed
+        skipping is ``margin`` cheaper, the other choice after ``explore`` rounds (doubled after each try that
+        left the choice as it was, ``backoff`` times at most). Drafting that would first feed
         the draft ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds
         over ``tokens_left`` exceed theirs, at this batch size's prices, or the nearest priced batch size's
         where this one has none yet; a try of drafting, also where the feed costs at most
-        :data:`TRY_FEED_SHARE` of the ``explore`` rounds before it.
+        :data:`TRY_FEED_SHARE` of the rounds before it.
 
         Args:
             batch_size: requests in the step.
@@ -128,16 +136,20 @@ class SpeculationGate:
             if self._best.get(b) != best and self.log is not None:
                 self.log(f"specstop: at batch size {b} drafting costs {1e3 * spec:.1f} ms per token against "
                          f"{1e3 * skip:.1f} without: {'drafting' if best else 'the draft is skipped'} at this batch "
-                         f"size (the other is tried again every {self.explore} rounds)")
+                         f"size (the other is tried again after {self.explore} rounds)")
+            if self._best.get(b) != best:
+                self._tries[b] = 0
             self._best[b] = best
             self._since[b] = self._since.get(b, 0) + 1
             choice, trying = best, False
-            if self._since[b] >= self.explore:
+            wait = self.explore << min(self._tries.get(b, 0), self.backoff)
+            if self._since[b] >= wait:
                 self._since[b], choice = 0, not best
+                self._tries[b] = self._tries.get(b, 0) + 1
                 trying = choice
             if choice:
                 choice = self._pays_back(b, spec, skip, one_off, tokens_left,
-                                         budget=TRY_FEED_SHARE * self.explore * skip if trying else 0.0)
+                                         budget=TRY_FEED_SHARE * wait * skip if trying else 0.0)
         counts[choice] += 1
         return choice
 
