@@ -273,6 +273,35 @@ def test_the_runner_drafts_with_an_int4_draft_in_vllms_own_runner(exported, tmp_
         assert counters["drafts"] > 0 and counters["accepted_tokens"] / counters["draft_tokens"] > 0.5, counters
 
 
+def test_an_export_for_an_int4_draft_runs_its_rules_in_vllms_runner(exported, tmp_path):
+    """`specstop export --for vllm --draft-quant int4`: the static K and the confidence rule run in vLLM's batched
+    runner with the draft packed int4 as it loads (the heuristic through specstop's proposer), as written, and
+    their output is vLLM's own without speculation at batch size 1 and 4."""
+    pair_dir, _ = exported
+    out = tmp_path / "engines_int4"
+    assert main(["export", "--tuned", str(pair_dir.parent / "tuned.json"), "--out", str(out), "--for", "vllm",
+                 "--draft-quant", "int4", "--draft-name", str(pair_dir / "draft"),
+                 "--target-name", str(pair_dir / "target")]) == 0
+    opts = json.loads((out / "vllm.json").read_text())["options"]
+    assert opts["heuristic_opt"]["speculative_config"]["method"] == "custom_class"
+    runs = [{"name": "plain"}]
+    for name in ("static_opt", "confidence_opt"):
+        assert opts[name]["worker_cls"] and opts[name]["additional_config"]["specstop"]["draft_quant"] == "int4"
+        runs.append({"name": name, **{k: opts[name].get(k) for k in ENGINE_KEYS}})
+        # the gate off: on the tiny pair it may hold the draft past batch size 1 (the rule's caps are under test)
+        runs[-1]["additional_config"] = {"specstop": {**opts[name]["additional_config"]["specstop"],
+                                                      "speculation_gate": False}}
+    res = run_vllm(tmp_path, pair_dir / "target", runs)
+    for name, r in res.items():
+        assert not r.get("error"), f"{name}:\n{r['error']}"
+        assert r["batch1"] == res["plain"]["batch1"] and r["batched"] == res["plain"]["batched"], name
+        if name != "plain":
+            assert r["runner"]["draft_quant"]["scheme"] == "int4", name
+            assert r["spec"]["batch1"]["drafts"] > 0, (name, r["spec"])
+    c = res["static_opt"]["spec"]["batch1"]
+    assert c["draft_tokens"] == 3 * c["drafts"], c  # the static K, drafted in full by the runner
+
+
 def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):
     """`specstop calibrate-cost --engine vllm` on the tiny pair in float32 at batch sizes 1 and 2 (and ``flags``),
     with vLLM's venv and environment, into a folder that does not exist yet; the cost model it wrote."""
