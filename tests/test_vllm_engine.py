@@ -253,19 +253,26 @@ def test_the_runner_skips_the_draft_where_no_row_drafts_and_catches_its_cache_up
 def test_the_runner_drafts_with_an_int4_draft_in_vllms_own_runner(exported, tmp_path):
     """``draft_quant: int4`` in the runner: vLLM's draft loads with its layers packed int4 for small blocks
     (the crossover with vLLM's float GEMM timed as it loads), drafts batched, and the output stays vLLM's own
-    without speculation. The target drafts for itself, so its int4 copy's drafts are mostly accepted."""
+    without speculation. The target drafts for itself, so its int4 copy's drafts are mostly accepted, and its
+    float copy's all but never rejected: the first passes fed only what the draft's cache lacked (the rows
+    the round before wrote were left out), so that cache held the right tokens at the right positions."""
     pair_dir, _ = exported
     target = str(pair_dir / "target")
     conf = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
     extra = {"specstop": {"policy": {"kind": "confidence", "threshold": 1e-6, "sl_max": 4}, "draft_quant": "int4",
                           "speculation_gate": False}}
+    same = {"specstop": {k: v for k, v in extra["specstop"].items() if k != "draft_quant"}}
+    runner = {"worker_cls": "specstop.decode.vllm_worker.SpecstopWorker", "async_scheduling": False}
     res = run_vllm(tmp_path, pair_dir / "target", [
         {"name": "plain"},
-        {"name": "int4", "speculative_config": conf, "additional_config": extra,
-         "worker_cls": "specstop.decode.vllm_worker.SpecstopWorker", "async_scheduling": False}])
+        {"name": "int4", "speculative_config": conf, "additional_config": extra, **runner},
+        {"name": "self", "speculative_config": conf, "additional_config": same, **runner}])
     for name, r in res.items():
         assert not r.get("error"), f"{name}:\n{r['error']}"
-    assert res["int4"]["batch1"] == res["plain"]["batch1"] and res["int4"]["batched"] == res["plain"]["batched"]
+        assert r["batch1"] == res["plain"]["batch1"] and r["batched"] == res["plain"]["batched"], name
+    for counters in res["self"]["spec"].values():
+        assert counters["accepted_tokens"] / counters["draft_tokens"] > 0.95, counters
+    assert res["self"]["runner"]["draft_kv"]["cached_rows_skipped"] > 0, res["self"]["runner"]["draft_kv"]
     quant = res["int4"]["runner"]["draft_quant"]
     assert quant["scheme"] == "int4" and quant["layers"] > 0 and quant["bytes_packed"] < quant["bytes_float"] / 3
     assert quant["timed_ms"] and quant["prefill_rows"] >= 1
