@@ -98,7 +98,7 @@ def test_drafting_that_must_first_feed_the_draft_waits_until_its_saving_pays_for
     less than the 0.8 s of eight 100-token prompts through the draft, so the draft is skipped (said once);
     with nothing to feed, the same prices draft; at 60 ms per token drafting pays for the prompts."""
     lines = []
-    gate = SpeculationGate(log=lines.append)
+    gate = SpeculationGate(min_rounds=1, log=lines.append)
     gate.observe_first_pass(8, 0.030, large=False)
     gate.observe_first_pass(808, 0.830, large=True)
     gate.observe(8, True, 0.100, 1.0)
@@ -118,10 +118,11 @@ def test_drafting_that_must_first_feed_the_draft_waits_until_its_saving_pays_for
 
 def test_one_dear_round_does_not_stop_drafting_nor_hold_it_off_for_good():
     """A first drafting round that drafted long and kept one token prices drafting at 132 ms per token against
-    83 without: drafting goes on until ``min_rounds`` rounds price it (then 45 ms: kept). A gate that did leave
-    drafting (min_rounds 1) holds it while each new request's prompt must be fed first, at the dear price; its
-    try every ``explore`` rounds goes ahead where the feed costs at most a tenth of those rounds, and renews the
-    price, and a feed dearer than that stays held."""
+    83 without: drafting goes on until ``min_rounds`` rounds price it (then 45 ms: kept), and a price of fewer
+    rounds does not hold the draft where a prompt must be fed. A gate that did leave drafting (min_rounds 1)
+    holds it while each new request's prompt must be fed first, at the dear price; its try after ``explore``
+    rounds goes ahead where the feed costs at most a quarter of those rounds, and prices drafting afresh; a
+    feed dearer than that stays held."""
     prices = iter([0.132] + [0.045] * 40)
     gate = SpeculationGate(explore=16)
     assert _run(gate, 1, 6, lambda d: next(prices) if d else 0.083) == [True, False, True, True, True, True]
@@ -133,15 +134,28 @@ def test_one_dear_round_does_not_stop_drafting_nor_hold_it_off_for_good():
     gate.observe(1, True, 0.132, 1.0)
     gate.observe(1, False, 0.083, 1.0)
     choices = [gate.choose(1, one_off=79, tokens_left=48) for _ in range(16)]
-    assert choices == [False] * 15 + [True]  # the try: 79 ms of feed, within 0.1 x 16 x 83 ms
+    assert choices == [False] * 15 + [True]  # the try: 79 ms of feed, within 0.25 x 16 x 83 ms
+    assert gate.price(1, True) is None  # the try prices drafting afresh
     gate.observe(1, True, 0.045, 3.0)  # what the try's round cost: drafting is cheaper again
     assert gate.choose(1, one_off=0) is True
+    # drafting priced at batch size 1 by two rounds only (a batch's tail, 10 tokens left): that price does not
+    # hold the draft, batch size 2's (drafting 34 ms per token against 61) does not either
+    tail = SpeculationGate()
+    tail.observe_first_pass(8, 0.030, large=False)
+    tail.observe_first_pass(808, 0.830, large=True)
+    for _ in range(4):
+        tail.observe(2, True, 0.034, 1.0)
+    tail.observe(2, False, 0.061, 1.0)
+    tail.observe(1, True, 0.100, 1.0)
+    tail.observe(1, True, 0.101, 1.0)
+    tail.observe(1, False, 0.055, 1.0)
+    assert tail.choose(1, one_off=3, tokens_left=10) is True and tail.record()["by_batch"]["1"]["rounds_held"] == 0
     dear = SpeculationGate(explore=16, min_rounds=1)
     dear.observe_first_pass(8, 0.030, large=False)
     dear.observe_first_pass(808, 0.830, large=True)
     dear.observe(8, True, 0.110, 1.0)
     dear.observe(8, False, 0.100, 1.0)
-    assert not any(dear.choose(8, one_off=737, tokens_left=46) for _ in range(32))  # 0.74 s: beyond 0.16 s
+    assert not any(dear.choose(8, one_off=737, tokens_left=46) for _ in range(32))  # 0.74 s: beyond 0.4 s
 
 
 def test_a_steps_choice_is_priced_by_the_target_step_that_verified_its_drafts():

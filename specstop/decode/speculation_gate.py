@@ -25,9 +25,11 @@ phase 1.02x): eight prompts through the draft, paid back over 48 tokens by a rou
 also prices a token fed to the draft (:meth:`SpeculationGate.observe_first_pass`: the slope of the draft's
 first-pass seconds over the tokens it fed), and a step that would first feed the draft ``one_off`` tokens
 drafts only where the round's saving over the tokens its requests have left pays for them
-(:meth:`SpeculationGate.choose`). That rule reads drafting's last price, which only drafting renews: a try of
-drafting (every :data:`EXPLORE` rounds) goes ahead wherever its feed costs at most :data:`TRY_FEED_SHARE` of the
-rounds between two tries, so one dear price cannot hold drafting off for good.
+(:meth:`SpeculationGate.choose`). That rule reads drafting's price at the batch size once :data:`MIN_ROUNDS`
+rounds made it, the nearest batch size's before (a batch's last requests, alone near their end, price drafting
+dear over a round or two). And it reads drafting's last price, which only drafting renews: so a try of
+drafting goes ahead wherever its feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try,
+and prices drafting afresh (its old rounds dropped), so one dear price cannot hold drafting off for good.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ WINDOW = 16
 MARGIN = 0.05
 #: Rounds that must price drafting before the gate may leave it (a round or two is noise).
 MIN_ROUNDS = 4
-#: The most a try of drafting may spend feeding the draft, as a share of the rounds between two tries (at the
-#: price of skipping): a try of drafting renews its price, which the one-off rule reads.
-TRY_FEED_SHARE = 0.1
+#: The most a try of drafting may spend feeding the draft, as a share of the rounds since the last try (at the
+#: price of skipping): a try of drafting renews its price, which the one-off rule reads. A quarter lets a
+#: 200-token prompt through at batch size 1 (16 rounds of 55-80 ms) and holds 8 prompts at batch size 8.
+TRY_FEED_SHARE = 0.25
 #: First passes kept to price a token fed to the draft: decode-sized ones, and ones that fed a prefill or a
 #: catch-up (kept apart, so that the few large ones stay in the price among many small ones).
 PASSES = 64
@@ -110,11 +113,13 @@ class SpeculationGate:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
         tried first (drafting before skipping); then drafting until ``min_rounds`` rounds price it, and unless
         skipping is ``margin`` cheaper, the other choice after ``explore`` rounds (doubled after each try that
-        left the choice as it was, ``backoff`` times at most). Drafting that would first feed
-        the draft ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds
-        over ``tokens_left`` exceed theirs, at this batch size's prices, or the nearest priced batch size's
-        where this one has none yet; a try of drafting, also where the feed costs at most
-        :data:`TRY_FEED_SHARE` of the rounds before it.
+        left the choice as it was, ``backoff`` times at most). Drafting that would first feed the draft
+        ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds over
+        ``tokens_left`` exceed theirs, at this batch size's prices once ``min_rounds`` rounds priced drafting
+        here, else at the nearest batch size's that has them (no hold where none has). A try of drafting also
+        goes ahead where the feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try (a
+        held try is tried again at the next step), and it prices drafting afresh: its last rounds are
+        dropped, so ``min_rounds`` new rounds price it again.
 
         Args:
             batch_size: requests in the step.
@@ -127,12 +132,11 @@ class SpeculationGate:
         spec, skip = self.price(b, True), self.price(b, False)
         if spec is None or skip is None:
             choice = spec is None
-            near = self._nearest_priced(b)
-            if choice and near is not None:
-                # a batch size met first (a request ended early) prices the one-off cost with the nearest one
-                choice = self._pays_back(b, self.price(near, True), self.price(near, False), one_off, tokens_left)
+            if choice:
+                choice = self._pays_back_near(b, one_off, tokens_left)
         else:
-            best = spec * (1.0 - self.margin) < skip or len(self._at(b)[True]) < self.min_rounds
+            mature = len(self._at(b)[True]) >= self.min_rounds
+            best = spec * (1.0 - self.margin) < skip or not mature
             if self._best.get(b) != best and self.log is not None:
                 self.log(f"specstop: at batch size {b} drafting costs {1e3 * spec:.1f} ms per token against "
                          f"{1e3 * skip:.1f} without: {'drafting' if best else 'the draft is skipped'} at this batch "
@@ -141,21 +145,34 @@ class SpeculationGate:
                 self._tries[b] = 0
             self._best[b] = best
             self._since[b] = self._since.get(b, 0) + 1
-            choice, trying = best, False
             wait = self.explore << min(self._tries.get(b, 0), self.backoff)
-            if self._since[b] >= wait:
-                self._since[b], choice = 0, not best
-                self._tries[b] = self._tries.get(b, 0) + 1
-                trying = choice
-            if choice:
+            trying = self._since[b] >= wait
+            choice = best != trying
+            if choice and not mature:
+                choice = self._pays_back_near(b, one_off, tokens_left)
+            elif choice:
                 choice = self._pays_back(b, spec, skip, one_off, tokens_left,
                                          budget=TRY_FEED_SHARE * wait * skip if trying else 0.0)
+            if trying and choice != best:  # a try ran (a held try of drafting waits for the next step)
+                self._since[b] = 0
+                self._tries[b] = self._tries.get(b, 0) + 1
+                if choice:
+                    self._at(b)[True].clear()
         counts[choice] += 1
         return choice
 
+    def _pays_back_near(self, b: int, one_off: int, tokens_left: float) -> bool:
+        """:meth:`_pays_back` at the nearest batch size where drafting is priced by ``min_rounds`` rounds and
+        skipping by one (True where there is none)."""
+        near = self._nearest_priced(b)
+        if near is None:
+            return True
+        return self._pays_back(b, self.price(near, True), self.price(near, False), one_off, tokens_left)
+
     def _nearest_priced(self, b: int) -> int | None:
-        """The batch size nearest ``b`` (the larger on a tie) where both choices are priced, or None."""
-        priced = [n for n in self._seen if n != b and self.price(n, True) is not None
+        """The batch size nearest ``b`` (the larger on a tie) where drafting is priced by ``min_rounds`` rounds
+        and skipping by one, or None."""
+        priced = [n for n in self._seen if n != b and len(self._at(n)[True]) >= self.min_rounds
                   and self.price(n, False) is not None]
         return min(priced, key=lambda n: (abs(n - b), -n)) if priced else None
 
