@@ -186,9 +186,22 @@ def test_calibrate_cost_vllm_refuses_zero_engine_starts(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_calibrate_cost_vllm_names_the_paths_it_sweeps(tmp_path, capsys):
+    """A --vllm-path that is neither the runner nor the side-path proposer is one line naming both."""
+    from specstop.cli import main
+
+    out = tmp_path / "c.json"
+    assert main(["calibrate-cost", "--engine", "vllm", "--draft", "d", "--target", "t", "--vllm-path", "side",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vllm-path side: choose runner" in err[0] and "or proposer" in err[0], err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flags, engine", [
     (["--engine-starts", "-1"], "vllm"),
     (["--vllm-python", "/usr/bin/python3"], "vllm"),
+    (["--vllm-path", "runner"], "vllm"),
     (["--engine", "vllm", "--llama-server", "/bin/true"], "llamacpp"),
     (["--engine", "llamacpp", "--engine-starts", "3"], "vllm"),
 ])

@@ -122,3 +122,29 @@ def test_rows_at_their_cap_stop_without_asking_their_policy(exports, monkeypatch
     stops.begin([GREEDY, WARM, GREEDY, WARM], 2)
     assert not stops.step(logits, None, tokens) and asked == [2, 2]  # each setting's two rows, once
     assert stops.step(logits, None, tokens) and asked == [2, 2]  # the second token reaches the cap
+
+
+def test_an_exact_round_drafts_every_rows_cap_and_still_asks_the_policy(exports, monkeypatch):
+    """A cost sweep's round (``exact``): every row drafts its cap whatever its policy and EOS say, and the policy
+    still decides at every step (its cost is part of the step the sweep prices)."""
+    _, pair = exports
+    vocab = pair.vocab_size
+    asked = []
+    real = StoppingPolicy.should_stop_batch
+
+    def counting(self, logits, *args, **kwargs):
+        asked.append(int(kwargs["active"].sum()))
+        return real(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(StoppingPolicy, "should_stop_batch", counting)
+    policy = StoppingPolicy.from_string("confidence:0.999999")  # stops every row at its first token
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    tokens = logits.argmax(-1)
+    stops = RowStops(policy, vocab, eos=[int(tokens[0])], live=False, log=lambda line: None)
+    stops.begin([GREEDY] * 3, 3)
+    assert stops.step(logits, None, tokens)  # row 0 drafted its EOS, and the policy stops every row
+    stops.begin([GREEDY] * 3, 3, exact=True)
+    asked.clear()
+    done = [stops.step(logits, None, tokens) for _ in range(3)]
+    assert done == [False, False, True] and asked == [3, 3]  # the third token reaches the cap unasked
+    assert [len(d) for d in stops.cut(tokens[:, None].repeat(1, 3))] == [3, 3, 3]

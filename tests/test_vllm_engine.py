@@ -333,6 +333,9 @@ def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path
     cost = _calibrate_in_vllm(exported[0], tmp_path, monkeypatch, "--k-grid", "1,2,4", "--draft-quant", "int4")
     assert cost.provenance == "measured" and cost.machine["engine"].startswith("vllm 0.")
     assert cost.machine["draft_quant"] == "int4" and cost.machine["dtype"] == "float32"
+    # swept where the exported rules run: in vLLM's batched runner, every row of a step drafting exactly K
+    assert cost.machine["vllm_path"] == "runner" and "vLLM's batched draft runner" in cost.fit["method"]
+    assert {f"{b}x{k}" for b in (1, 2) for k in (0, 1, 2, 4)} <= set(cost.fit["raw"]["draft_call"])
     assert set(cost.target_by_k) == {0, 1, 2, 4} and cost.t_draft > 0
     assert cost.batch["batch_sizes"] == [1, 2] and set(cost.batch["k_grid"]) == {0, 1, 2, 4}
     assert priced_by(cost.to_dict(), "vllm").startswith("vllm's own costs")
@@ -341,9 +344,11 @@ def test_calibrate_cost_in_vllm_writes_the_engines_cost_model(exported, tmp_path
 def test_calibrate_cost_times_vllms_own_draft_model_runner(exported, tmp_path, monkeypatch):
     """With a float draft, calibrate-cost --engine vllm also times vLLM's own draft-model runner per decode step
     at K = 0 (no speculation) and each K of the grid, at each batch size (tests/test_engine_cost.py prices
-    exports with it)."""
-    runner = _calibrate_in_vllm(exported[0], tmp_path, monkeypatch, "--k-grid", "1,2",
-                                "--engine-starts", "2").fit["vllm_runner"]["step_s"]
+    exports with it). This one sweeps specstop's stop through the side-path proposer."""
+    cost = _calibrate_in_vllm(exported[0], tmp_path, monkeypatch, "--k-grid", "1,2", "--engine-starts", "2",
+                              "--vllm-path", "proposer")
+    assert cost.machine["vllm_path"] == "proposer" and "side-path proposer" in cost.fit["method"]
+    runner = cost.fit["vllm_runner"]["step_s"]
     assert set(runner) == {"1", "2"} and all(set(by_k) == {"0", "1", "2"} for by_k in runner.values())
     for by_k in runner.values():
         for v in by_k.values():

@@ -69,6 +69,7 @@ class RowStops:
         self.lengths = np.zeros(0, dtype=np.int64)
         self.stopped = np.zeros(0, dtype=bool)
         self.positions = np.zeros(0, dtype=np.int64)
+        self._exact = False
         #: Counters since start: rounds, draft forwards (steps), tokens kept, rows per draft length, and
         #: the policy each decoding setting runs (label).
         self.stats: dict = {"rounds": 0, "steps": 0, "drafted": 0, "lengths": {}, "settings": {}}
@@ -102,7 +103,8 @@ class RowStops:
         return self.base.needs_hidden
 
     # ------------------------------------------------------------------ a round
-    def begin(self, settings: Sequence[DecodingConfig], cap: int, positions: Sequence[int] | None = None) -> int:
+    def begin(self, settings: Sequence[DecodingConfig], cap: int, positions: Sequence[int] | None = None,
+              exact: bool = False) -> int:
         """Start a round of ``len(settings)`` rows.
 
         Args:
@@ -110,6 +112,8 @@ class RowStops:
             cap: the most tokens any row may draft (the engine's K this step).
             positions: ``[B]`` 0-based response position of each row's first drafted token; an engine that
                 learns them only from its first forward gives them to :meth:`place` before the first step.
+            exact: every row drafts its cap (a cost sweep): the policies still decide at every step, since
+                their cost is part of one, and their stops and EOS are ignored.
 
         Returns:
             The most draft forwards the round can take (0: no row drafts).
@@ -126,6 +130,7 @@ class RowStops:
             self.caps[idx] = np.minimum(self.caps[idx], policy.cap_batch())
         self.lengths = np.zeros(rows, dtype=np.int64)
         self.stopped = self.caps <= 0
+        self._exact = bool(exact)
         self.place(np.zeros(rows, dtype=np.int64) if positions is None else positions)
         return int(self.caps.max(initial=0))
 
@@ -169,7 +174,7 @@ class RowStops:
         self.stopped |= outside.numpy() & active
         if len(self.eos):
             self.stopped |= torch.isin(tokens_cpu, self.eos).numpy() & active
-        self.stopped |= self.lengths >= self.caps
+        self.stopped = self.lengths >= self.caps if self._exact else self.stopped | (self.lengths >= self.caps)
         return bool(self.stopped.all())
 
     def cut(self, drafted: torch.Tensor) -> list[list[int]]:

@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from specstop import clock
+from specstop.decode.engine_timings import EngineTimings
 from specstop.errors import UserError
 from specstop.export.engines import VLLM_PROPOSER_CLASS as PROPOSER_CLASS
 from specstop.export.engines import VLLM_SETTINGS_KEY as SETTINGS_KEY
@@ -149,6 +150,19 @@ def read_setting(settings: dict, key: str, hint: Any, default: Any, who: str = P
         return check_type(settings.get(key, default), hint, f"{SETTINGS_KEY}.{key}")
     except UserError as err:
         raise UserError(f"{who}: {err}") from None
+
+
+def cost_sweep_setting(settings: dict, who: str = PROPOSER_CLASS) -> list[int] | None:
+    """The :data:`COST_SWEEP_KEY` of a proposer's settings: the draft lengths every row drafts exactly, one per
+    engine step in turn (``calibrate-cost --engine vllm``); None in serving.
+
+    Raises:
+        UserError: not a non-empty list of draft lengths K >= 0.
+    """
+    sweep = read_setting(settings, COST_SWEEP_KEY, list[int] | None, None, who)
+    if sweep is not None and (not sweep or any(k < 0 for k in sweep)):
+        raise UserError(f"{who}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
+    return [int(k) for k in sweep] if sweep is not None else None
 
 
 def live_cost_table(settings: dict) -> Any:
@@ -265,13 +279,10 @@ class SpecstopProposer:
         from specstop.pair.quantize import check_scheme
 
         self.draft_quant = check_scheme(settings.get("draft_quant"))
-        sweep = read_setting(settings, COST_SWEEP_KEY, list[int] | None, None)
-        if sweep is not None and (not sweep or any(k < 0 for k in sweep)):
-            raise UserError(f"{PROPOSER_CLASS}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
         #: Cost calibration (``specstop calibrate-cost --engine vllm``): every row drafts exactly
         #: ``sweep[step % len]`` tokens (the policy still runs, its stops ignored), so the engine's
         #: timings cover each K; None in serving.
-        self.cost_sweep = [int(k) for k in sweep] if sweep is not None else None
+        self.cost_sweep = cost_sweep_setting(settings)
         self.k_max = int(spec_cfg.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.dtype = getattr(vllm_config.model_config, "dtype", torch.float32)
@@ -295,10 +306,8 @@ class SpecstopProposer:
         self._step = 0
         #: Counters since start: rounds drafted, tokens drafted, and drafts per length (for checks and logs).
         self.stats: dict[str, Any] = {"rounds": 0, "drafted": 0, "lengths": {}}
-        # Engine timings: seconds per propose call (rows, drafted tokens) and between calls, keyed by the
-        # block the target verified per row in between ("BxL": B rows of L tokens each).
-        self._timings: dict[str, Any] = {"propose": [], "target": {}, "call": {}}
-        self._last: tuple | None = None
+        #: seconds per propose call and per target step between calls (engine_costs)
+        self.timings = EngineTimings()
         self.created = clock.now()
         _LIVE.add(self)
 
@@ -375,52 +384,21 @@ class SpecstopProposer:
         return out
 
     def _time_step(self, t_in: float, sampled: list[list[int]], out: list[list[int]]) -> None:
-        """Record this call's seconds, and the target step before it when every row verified the same block;
-        live pricing gets the round the two make (the previous call's drafts, then their verification)."""
-        t_out = clock.now()
-        rows = len(sampled)
-        if self._last is not None:
-            last_rows, block, last_out, last_call, last_k = self._last
-            if rows == last_rows and block is not None and all(sampled):
-                self._timings["target"].setdefault(f"{rows}x{block}", []).append(t_in - last_out)
-            if self.live is not None and rows == last_rows and all(sampled) and last_k > 0:
-                switch = self.live.observe(last_k, draft_s=last_call, decision_s=0.0, target_s=t_in - last_out,
-                                           batch_size=rows)
-                if switch is not None:  # every request's next round runs the re-picked policy
-                    for slot in self._slots:
-                        slot.policy.set_spec(self.policy.spec)
-        blocks = {len(d) + 1 for d in out}
-        block = blocks.pop() if len(blocks) == 1 and all(sampled) else None
-        self._last = (rows, block, t_out, t_out - t_in, max((len(d) for d in out), default=0))
-        self._timings["propose"].append((rows, sum(len(d) for d in out), t_out - t_in))
-        if block is not None:
-            self._timings["call"].setdefault(f"{rows}x{block - 1}", []).append(t_out - t_in)
+        """Record this call's seconds, and the target step before it; live pricing gets the round the two make
+        (the previous call's drafts, then their verification)."""
+        last = self.timings.last
+        target_s = self.timings.record(t_in, clock.now(), [len(d) for d in out], decoding=all(sampled))
+        if self.live is not None and target_s is not None and last.longest > 0:
+            switch = self.live.observe(last.longest, draft_s=last.seconds, decision_s=0.0, target_s=target_s,
+                                       batch_size=len(sampled))
+            if switch is not None:  # every request's next round runs the re-picked policy
+                for slot in self._slots:
+                    slot.policy.set_spec(self.policy.spec)
 
     def engine_costs(self) -> dict:
-        """What drafting and verifying cost inside the engine so far (medians, seconds).
-
-        Returns:
-            ``{"draft_per_token": {B: s}, "target_step": {"BxL": s}, "draft_call": {"BxK": s}, "halves": {...},
-            "samples": {...}}``:
-            the proposer's seconds per drafted token at B rows (catch-up feeds and the policy included);
-            the wall time from one ``propose`` to the next (the target's forward over B rows of L tokens,
-            sampling, and vLLM's step overhead) where all rows had L tokens to verify; and the seconds of
-            one ``propose`` call where each of B decoding rows drafted K tokens.
-        """
-        per_b: dict[int, list[float]] = {}
-        for rows, drafted, seconds in self._timings["propose"]:
-            if drafted:
-                per_b.setdefault(rows, []).append(seconds / drafted)
-        return {"draft_per_token": {b: float(np.median(v)) for b, v in sorted(per_b.items())},
-                "target_step": {k: float(np.median(v)) for k, v in sorted(self._timings["target"].items())},
-                "draft_call": {k: float(np.median(v)) for k, v in sorted(self._timings["call"].items())},
-                # each key's first and second half of samples, apart: does a shape reproduce?
-                "halves": {part: {k: [float(np.median(v[: max(1, len(v) // 2)])), float(np.median(v[len(v) // 2:]))]
-                                  for k, v in sorted(self._timings[src].items())}
-                           for part, src in (("target_step", "target"), ("draft_call", "call"))},
-                "samples": {"draft": {b: len(v) for b, v in per_b.items()},
-                            "target": {k: len(v) for k, v in self._timings["target"].items()},
-                            "call": {k: len(v) for k, v in self._timings["call"].items()}}}
+        """What drafting and verifying cost inside the engine so far: :meth:`EngineTimings.costs`
+        (the proposer's calls include its catch-up feeds and the policy's decisions)."""
+        return self.timings.costs()
 
     def _claim(self, tokens: np.ndarray, num_sampled: int, claimed: set[int]) -> _Slot:
         """The slot continuing this sequence (it extends every token the slot's last round saw), or a new

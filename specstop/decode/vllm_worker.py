@@ -49,7 +49,9 @@ export tuned per setting (``by_decoding``) runs each request's own entry, logged
 Other ``specstop`` settings: ``live_pricing`` (default true: the proposer times its draft rounds and the
 target steps between them and re-prices a policy that carries statistics, :mod:`specstop.decode.live_pricing`),
 ``speculation_gate`` (default true: drafting per batch size only where it is measured to pay, above),
-``cost_model`` (the table those timings are measured against), ``draft_quant`` (below), ``allow_draft_mismatch``.
+``cost_model`` (the table those timings are measured against), ``draft_quant`` (below), ``allow_draft_mismatch``,
+``cost_sweep`` (``calibrate-cost --engine vllm``: every request drafts exactly K tokens, K taking the list's
+values in turn, and :meth:`SpecstopDraftModelProposer.engine_costs` gives what each K cost in this runner).
 
 Limits, each refused in one line: vLLM's async scheduling (on by default on GPU; the CPU build has none)
 scatters a fixed block of ``num_speculative_tokens`` drafts per request on the device, so it must be off
@@ -75,11 +77,18 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from specstop import clock
+from specstop.decode.engine_timings import EngineTimings
 from specstop.decode.row_stops import RowStops, row_setting
 from specstop.decode.speculation_gate import SpeculationGate, Step
 from specstop.decode.vllm_draft_quant import quantized_cpu_gemms
 from specstop.decode.vllm_draft_runner import register
-from specstop.decode.vllm_proposer import SETTINGS_KEY, live_cost_table, load_policy, read_setting
+from specstop.decode.vllm_proposer import (
+    SETTINGS_KEY,
+    cost_sweep_setting,
+    live_cost_table,
+    load_policy,
+    read_setting,
+)
 from specstop.errors import UserError
 from specstop.pair.quantize import check_scheme
 
@@ -140,24 +149,30 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         from transformers import AutoTokenizer
 
         self.shared_vocab = len(AutoTokenizer.from_pretrained(draft))
+        #: Cost calibration (``calibrate-cost --engine vllm``): every row drafts exactly ``sweep[call % len]``
+        #: tokens (the policy still decides, its stops ignored), with no gate and no live re-pricing; None in
+        #: serving.
+        self.cost_sweep = cost_sweep_setting(settings, WHO)
+        self._calls = 0
         eos = self.speculative_config.draft_model_config.hf_config.eos_token_id
         self.stops = RowStops(policy, self.shared_vocab, eos=[eos] if isinstance(eos, int) else (eos or []),
                               live_table=live_cost_table(settings),
-                              live=read_setting(settings, "live_pricing", bool, True, WHO), log=logger.info)
+                              live=read_setting(settings, "live_pricing", bool, True, WHO) and self.cost_sweep is None,
+                              log=logger.info)
         self._round_tokens: list[torch.Tensor] = []
         self._round_probs: list[torch.Tensor] = []
         self._first_positions: torch.Tensor | None = None
         self._prompt_lens = np.zeros(0, dtype=np.int64)
-        self._last_out: float | None = None
-        self._last_rows = 0
+        #: seconds per propose call and per target step between calls (engine_costs, live re-pricing)
+        self.timings = EngineTimings()
         #: request id -> first position whose draft KV a skipped step left unwritten
         self._behind: dict[str, int] = {}
         self._req_ids: list[str] = []
         #: skipped steps, tokens fed again to catch the draft's cache up, and first-pass rows left out because the
         #: draft's cache held them (benchmarks and tests read them)
         self.draft_kv = {"skipped_steps": 0, "caught_up_tokens": 0, "catch_ups": 0, "cached_rows_skipped": 0}
-        self.gate = (SpeculationGate(log=logger.info)
-                     if read_setting(settings, "speculation_gate", bool, True, WHO) else None)
+        self.gate = (SpeculationGate(log=logger.info) if read_setting(settings, "speculation_gate", bool, True, WHO)
+                     and self.cost_sweep is None else None)
         self._step: Step | None = None  # this engine step, as the runner sees it
         # the draft's first pass of the step: tokens fed, when it began, its seconds (the gate prices a fed token)
         self._first_pass_tokens, self._pass_began, self._first_pass_s = 0, 0.0, None
@@ -234,16 +249,12 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         device = self.input_ids.device
         kept = torch.as_tensor(np.flatnonzero(keep), device=device)
         total = len(kept)
-        self.input_ids[:total] = self.input_ids[kept].clone()
-        self.positions[:total] = self.positions[kept].clone()
+        # advanced indexing copies, so the rows can be written back over the buffers they were read from
+        self.input_ids[:total] = self.input_ids[kept]
+        self.positions[:total] = self.positions[kept]
         dropped = np.cumsum(drop)
         new_starts = starts_at - np.concatenate([[0], dropped])
-        starts_t = torch.as_tensor(new_starts, dtype=cad.query_start_loc_cpu.dtype)
-        cad = cad.replace(query_start_loc=starts_t.to(cad.query_start_loc.device), query_start_loc_cpu=starts_t,
-                          num_actual_tokens=total, max_query_len=int(np.diff(new_starts).max()),
-                          slot_mapping=cad.slot_mapping[kept.to(cad.slot_mapping.device)],
-                          positions=None if cad.positions is None else self.positions[:total],
-                          _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
+        cad = self._laid_out(cad, new_starts, cad.slot_mapping[kept.to(cad.slot_mapping.device)])
         self.draft_kv["cached_rows_skipped"] += int(dropped[-1])
         shift = torch.as_tensor(dropped, dtype=sample_at.dtype, device=sample_at.device)
         return total, sample_at - shift[: len(sample_at)], cad
@@ -302,13 +313,26 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         slots[moved] = cad.slot_mapping[:num_tokens]
         blocks = cad.block_table_tensor[torch.as_tensor(rows_of, device=device), pos_t // self.block_size]
         slots[placed] = (blocks * self.block_size + pos_t % self.block_size).to(slots.dtype)
-        starts_t = torch.as_tensor(new_starts, dtype=cad.query_start_loc_cpu.dtype)
-        cad = cad.replace(query_start_loc=starts_t.to(cad.query_start_loc.device), query_start_loc_cpu=starts_t,
-                          num_actual_tokens=total, max_query_len=int(np.diff(new_starts).max()), slot_mapping=slots,
-                          positions=None if cad.positions is None else self.positions[:total])
+        cad = self._laid_out(cad, new_starts, slots)
         self.draft_kv["caught_up_tokens"] += int(shift[-1])
         self.draft_kv["catch_ups"] += 1
         return total, moved[sample_at.long()].to(sample_at.dtype), cad
+
+    def _laid_out(self, cad, starts_at: np.ndarray, slots: torch.Tensor):
+        """vLLM's first-pass attention metadata for rows laid out anew.
+
+        Args:
+            cad: the first pass's ``CommonAttentionMetadata`` as vLLM built it.
+            starts_at: ``[B + 1]`` where each row's tokens now begin in ``self.input_ids`` / ``self.positions``.
+            slots: ``[tokens]`` the KV cache slot of each token, in that order.
+        """
+        total = int(starts_at[-1])
+        starts_t = torch.as_tensor(starts_at, dtype=cad.query_start_loc_cpu.dtype)
+        # the caches vLLM derives from the old layout are dropped, so that it derives them anew
+        return cad.replace(query_start_loc=starts_t.to(cad.query_start_loc.device), query_start_loc_cpu=starts_t,
+                           num_actual_tokens=total, max_query_len=int(np.diff(starts_at).max()), slot_mapping=slots,
+                           positions=None if cad.positions is None else self.positions[:total],
+                           _num_computed_tokens_cache=None, _token_to_req_indices_cache=None)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
         """vLLM's draft sampling (one logits computation, as vLLM's own does), then each row's stop;
@@ -351,8 +375,12 @@ class SpecstopDraftModelProposer(DraftModelProposer):
                     zip(batch.temperature_cpu[:rows], batch.top_k_cpu[:rows], batch.top_p_cpu[:rows])]
         self._round_tokens, self._round_probs = [], []
         self._first_positions = None
+        cap = int(num_speculative_tokens)
+        if self.cost_sweep is not None:
+            self._calls += 1
+            cap = min(self.cost_sweep[self._calls % len(self.cost_sweep)], cap)
         # Positions are known only after vLLM's first pass: the first _sample_draft_tokens call places them.
-        steps = self.stops.begin(settings, int(num_speculative_tokens))
+        steps = self.stops.begin(settings, cap, exact=self.cost_sweep is not None)
         self._req_ids = list(batch.req_ids[:rows])
         # requests the runner no longer holds (finished) drop their entry
         self._behind = {rid: at for rid, at in self._behind.items() if rid in self.engine_runner.requests}
@@ -366,8 +394,11 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             rows, *self._one_off(first, prompt_lens, common_attn_metadata.query_start_loc_cpu.numpy())))
         self._step.drafted = drafting
         catch_ups = self.draft_kv["catch_ups"]
+        decoding = bool((first >= prompt_lens).all())
         if not drafting:
-            return self._skip(first)
+            out = self._skip(first)
+            self._time(t_in, [0] * rows, decoding)
+            return out
         self._prompt_lens = prompt_lens
         self._first_pass_s = None
         self._pass_began = clock.now()
@@ -383,7 +414,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
         self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
         out = self.stops.cut(drafted)
-        self._time(t_in, rows)
+        self._time(t_in, [len(d) for d in out], decoding)
         return out
 
     def _one_off(self, first: np.ndarray, prompt_lens: np.ndarray, starts_at: np.ndarray) -> tuple[int, float]:
@@ -422,17 +453,22 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             self._behind[rid] = min(self._behind.get(rid, at), int(at))
         self.draft_kv["skipped_steps"] += 1
         self._last_draft_probs = None
-        # the target step that follows verifies nothing: it prices no drafting round
-        self._last_out = None
         return [[] for _ in self._req_ids]
 
-    def _time(self, t_in: float, rows: int) -> None:
-        """Live re-pricing: this round's drafting seconds, and the target step between the last round and this
-        one (same rows only: a step that added or finished requests prices nothing)."""
-        t_out = clock.now()
-        if self._last_out is not None and rows == self._last_rows:
-            self.stops.observe(draft_s=t_out - t_in, target_s=t_in - self._last_out)
-        self._last_out, self._last_rows = t_out, rows
+    def _time(self, t_in: float, lengths: list[int], decoding: bool) -> None:
+        """This call's seconds and the target step before it (:class:`EngineTimings`). Live re-pricing reads
+        this round's drafting seconds beside that step where both this call and the last one drafted (same
+        rows, every row decoding: a step that added or finished requests, or verified nothing, prices
+        nothing)."""
+        last = self.timings.last
+        target_s = self.timings.record(t_in, clock.now(), lengths, decoding)
+        if target_s is not None and last.longest > 0 and max(lengths, default=0) > 0:
+            self.stops.observe(draft_s=self.timings.last.seconds, target_s=target_s)
+
+    def engine_costs(self) -> dict:
+        """What drafting and verifying cost inside the engine so far (:meth:`EngineTimings.costs`; a call's
+        seconds include the catch-up feed, the first pass and the policy's decisions)."""
+        return self.timings.costs()
 
 
 def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,

@@ -63,17 +63,21 @@ class CalibrateSettings(CalibrateOptions, PairSettings):
     """Write no plot."""
     engine: str = setting("transformers", flags=("--engine",))
     """Whose costs: transformers (specstop's own decoders), vllm (vLLM's CPU build in its own venv,
-    `make vllm-env`: the target in vLLM's kernels, the draft in specstop's proposer, per K and --batch-grid
+    `make vllm-env`: the target in vLLM's kernels, the draft where --vllm-path says, per K and --batch-grid
     size) or llamacpp (llama-server on the pair's GGUF files: the target alone, the draft alone and rounds
     of each K in --k-grid, from the server's own timings); tune, eval and export then price for that
     engine. With vllm or llamacpp, --budget sizes each request's new tokens (48-256); vllm runs --dtype
     auto as bfloat16."""
     draft_quant: str | None = setting(None, flags=("--draft-quant",), metavar="SCHEME")
     """int8 | int4: the draft's weights in weight-only int8/int4 (specstop.pair.quantize), here or, with
-    --engine vllm, in specstop's proposer inside vLLM; null = as loaded."""
+    --engine vllm, in specstop's stop inside vLLM (--vllm-path); null = as loaded."""
     compile_draft: bool = setting(False, flags=("--compile-draft",), negatable=False)
     """Time the draft's steps as `specstop decode --compile-draft` runs them: torch.compile over a static
     KV cache (the first step of each length compiles, untimed); --engine transformers only."""
+    vllm_path: str | None = setting(None, flags=("--vllm-path",), metavar="PATH")
+    """--engine vllm: where specstop's stop runs in the sweep: runner (vLLM's batched draft runner, where
+    `specstop export --for vllm` runs rules and learned policies) or proposer (the side path, which serves the
+    heuristic schedule); null = runner."""
     vllm_python: str | None = setting(None, flags=("--vllm-python",), metavar="PYTHON")
     """--engine vllm: the Python with vLLM; null = $SPECSTOP_VLLM_VENV/bin/python, else .venv-vllm's."""
     engine_starts: int | None = setting(None, flags=("--engine-starts",))
@@ -220,6 +224,7 @@ def run(args: CalibrateSettings) -> int:
 #: Settings only one engine reads: setting -> (flag, engine). Given with another engine they would do
 #: nothing, so they are refused rather than ignored.
 ENGINE_ONLY = {"vllm_python": ("--vllm-python", "vllm"), "engine_starts": ("--engine-starts", "vllm"),
+               "vllm_path": ("--vllm-path", "vllm"),
                "llama_server": ("--llama-server", "llamacpp"), "threads": ("--threads", "llamacpp")}
 
 
@@ -249,6 +254,12 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
         batch_grid = sorted({1, *parse_batch_grid(args.batch_grid)})
     if args.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UserError(f"--dtype {args.dtype}: vLLM takes auto, bfloat16, float16 or float32")
+    from specstop.measure.vllm_cost import PATHS
+
+    path = args.vllm_path or "runner"
+    if path not in PATHS:
+        raise UserError(f"--vllm-path {path}: choose runner (vLLM's batched draft runner, where exported rules and "
+                        "learned policies run) or proposer (the side path, for the heuristic schedule)")
     starts = 2 if args.engine_starts is None else args.engine_starts
     if starts < 1:
         raise UserError(f"--engine-starts {starts}: give 1 or more (engine starts per K)")
@@ -273,13 +284,13 @@ def _run_vllm(args: CalibrateSettings, k_grid: tuple[int, ...]) -> int:
 
     machine = {**_engine_machine(), "context_tokens": int(sum(map(len, prompts)) / len(prompts) + max_tokens / 2)}
     log_path = Path(args.out).with_suffix(".vllm.log")
-    log.info("vLLM cost sweep: K in %s at batch sizes %s, %d prompts x %d tokens, draft %s (log: %s)",
+    log.info("vLLM cost sweep: K in %s at batch sizes %s, %d prompts x %d tokens, draft %s, the stop in %s (log: %s)",
              ",".join(map(str, sorted({0, *k_grid}))), ",".join(map(str, batch_grid)), len(prompts), max_tokens,
-             quant or "as loaded", log_path)
+             quant or "as loaded", "vLLM's draft runner" if path == "runner" else "the side-path proposer", log_path)
     cost, _ = calibrate_in_vllm(draft, target, prompts, k_grid=list(k_grid), batch_sizes=batch_grid,
                                 max_tokens=max_tokens, dtype="bfloat16" if args.dtype == "auto" else args.dtype,
                                 draft_quant=quant, python=args.vllm_python, log_path=log_path, machine=machine,
-                                name=Path(args.out).name, runner_starts=starts)
+                                name=Path(args.out).name, runner_starts=starts, path=path)
     cost.save(args.out)
     log.info("%s", cost.provenance_line())
     log.info("vLLM: t_draft %.4f s per drafted token; round minus drafts t_target(K): %s -> %s", cost.t_draft,

@@ -28,6 +28,10 @@ import numpy as np
 from specstop.errors import UserError
 from specstop.eval.cost import CostModel
 
+#: Where ``calibrate-cost --engine vllm`` ran specstop's stop (``machine["vllm_path"]``), as the cost model says it.
+SWEPT_IN = {"runner": "specstop's stop in vLLM's batched draft runner",
+            "proposer": "specstop's side-path proposer (transformers, one request after another)"}
+
 
 def _by_batch(table: dict, shift: int = 0) -> dict[int, dict[int, float]]:
     """``{"BxN": s}`` -> ``{B: {N - shift: s}}``."""
@@ -100,6 +104,7 @@ def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict
                         "K >= 1 both drafted and verified); give more prompts, tokens or a longer --budget")
     slope, table = tables[1]
     check = _reproduced_shape(costs, table)
+    swept_in = SWEPT_IN.get(machine.get("vllm_path"), "specstop's proposer")
     batch = None
     if len(tables) >= 2:
         sizes = sorted(tables)
@@ -107,13 +112,13 @@ def cost_model_from_engine(costs: dict, *, engine: str, name: str, machine: dict
         batch = {"batch_sizes": sizes, "k_grid": common,
                  "t_draft": {str(b): tables[b][0] for b in sizes},
                  "t_target": {str(b): {str(k): tables[b][1][k] for k in common} for b in sizes},
-                 "source": f"{engine}, specstop's proposer (draft calls and target steps timed in the engine)"}
+                 "source": f"{engine}, {swept_in} (draft calls and target steps timed in the engine)"}
     positive = {k: max(v, 1e-6) for k, v in table.items()}
     return CostModel(
         t_draft=slope, t_target=positive[min(k for k in positive if k >= 1)], target_by_k=positive,
         t_target_single=positive[0], provenance="measured", name=name,
         machine={**machine, "engine": engine},
-        fit={"engine": engine, "method": "cost sweep of specstop's proposer: round(K) = draft_call(K) + target_step(K+1)",
+        fit={"engine": engine, "method": f"cost sweep of {swept_in}: round(K) = draft_call(K) + target_step(K+1)",
              "raw": costs, "check": check,
              **({"vllm_runner": {"step_s": runner,
                                  "method": "vLLM's draft-model runner at a fixed K (K = 0: no speculation), B "

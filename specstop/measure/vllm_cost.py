@@ -3,9 +3,12 @@
 vLLM lives in its own virtualenv (``make vllm-env``; ``--vllm-python`` or ``$SPECSTOP_VLLM_VENV`` names
 another), so this module is both sides: :func:`calibrate_in_vllm` (any Python with specstop) starts
 ``python -m specstop.measure.vllm_cost --worker JOB OUT`` on vLLM's Python, which runs :func:`worker`:
-one ``vllm.LLM`` with specstop's proposer in its cost sweep (:data:`~specstop.decode.vllm_proposer.COST_SWEEP_KEY`),
-greedy decoding of the prompts B at a time for each B of the batch grid, and the proposer's
-``engine_costs()``. Then vLLM's own draft-model runner (``speculative_config={"model": DRAFT,
+one ``vllm.LLM`` with specstop's stop in its cost sweep (:data:`~specstop.decode.vllm_proposer.COST_SWEEP_KEY`),
+greedy decoding of the prompts B at a time for each B of the batch grid, and the stop's
+``engine_costs()``. The stop runs where the exports that the costs will price run it (:data:`PATHS`):
+in vLLM's own batched draft runner (``runner``: ``specstop export --for vllm`` runs rules and learned
+policies there, with a float or a ``draft_quant`` draft), or in the side-path proposer (``proposer``: the
+heuristic schedule). Then vLLM's own draft-model runner (``speculative_config={"model": DRAFT,
 "num_speculative_tokens": K}``), which runs a fixed K, and vLLM without speculation are timed per
 decode step at each batch size (:func:`time_runner`, float drafts only), so the options vLLM runs
 itself (a fixed K, the batch schedule) are priced with their own costs.
@@ -30,6 +33,11 @@ from pathlib import Path
 from specstop.errors import UserError
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Where the cost sweep runs specstop's stop: vLLM's batched draft-model runner (``worker_cls``,
+#: :mod:`specstop.decode.vllm_worker`) or the side-path proposer (``custom_class``,
+#: :mod:`specstop.decode.vllm_proposer`).
+PATHS = ("runner", "proposer")
 
 
 def vllm_python(explicit: str | None = None) -> str:
@@ -224,14 +232,22 @@ def worker(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from specstop.decode.vllm_proposer import live_proposers
-    from specstop.export.engines import vllm_proposer_config
+    from specstop.decode.vllm_draft_runner import live_runners
+    from specstop.decode.vllm_proposer import COST_SWEEP_KEY, SETTINGS_KEY, live_proposers
+    from specstop.export.engines import vllm_proposer_config, vllm_runner_config
 
     grid = [int(k) for k in job["k_grid"]]
+    # the policy decides at every step as in serving (its cost is part of a step); the sweep ignores its stops
     policy = {"kind": "confidence", "threshold": 0.4, "sl_max": max(grid)}
-    conf, extra = vllm_proposer_config(job["draft"], policy, max(max(grid), 1), draft_quant=job.get("draft_quant"))
-    extra["specstop"]["cost_sweep"] = grid
-    llm = LLM(model=job["target"], speculative_config=conf, additional_config=extra, **job["engine"])
+    cap, quant = max(max(grid), 1), job.get("draft_quant")
+    runner = job.get("path", "runner") == "runner"
+    if runner:
+        spec = vllm_runner_config(job["draft"], policy, cap, draft_quant=quant)
+    else:
+        conf, extra = vllm_proposer_config(job["draft"], policy, cap, draft_quant=quant)
+        spec = {"speculative_config": conf, "additional_config": extra}
+    spec["additional_config"][SETTINGS_KEY][COST_SWEEP_KEY] = grid
+    llm = LLM(model=job["target"], **spec, **job["engine"])
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
     params = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
@@ -240,22 +256,25 @@ def worker(job: dict) -> dict:
         for i in range(0, len(prompts), b):
             llm.generate(prompts[i:i + b], params, use_tqdm=False)
         print(f"[calibrate-cost] vLLM: batch size {b} timed ({time.perf_counter() - t0:.0f} s)", flush=True)
-    proposer = live_proposers()[-1]
-    costs, quant = proposer.engine_costs(), proposer.stats.get("draft_quant")
+    stop = live_runners()[-1] if runner else live_proposers()[-1]
+    costs = stop.engine_costs()
+    quant_record = stop.draft_quant_record if runner else stop.stats.get("draft_quant")
     shutdown_engine(llm)
-    del llm, proposer
+    del llm, stop
     # vLLM's own runner loads the draft as vLLM does (never quantized): timed only for a float draft.
-    runner = {} if job.get("draft_quant") else time_runner(job, prompts[: int(job.get("runner_prompts") or 4)])
-    return {"costs": costs, "runner": runner, "draft_quant": quant,
+    fixed_k = {} if quant else time_runner(job, prompts[: int(job.get("runner_prompts") or 4)])
+    return {"costs": costs, "runner": fixed_k, "draft_quant": quant_record,
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
 
 
 def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_grid: list[int], batch_sizes: list[int],
                       max_tokens: int, dtype: str, draft_quant: str | None, python: str | None, log_path: Path,
-                      machine: dict, name: str, runner_k: list[int] | None = None, runner_starts: int = 1):
+                      machine: dict, name: str, runner_k: list[int] | None = None, runner_starts: int = 1,
+                      path: str = "runner"):
     """Run :func:`worker` in vLLM's Python and return ``(CostModel, raw worker result)``. ``runner_k``: the K
     at which vLLM's own draft-model runner is timed (0: without speculation); None: 0 and every K >= 1
     of ``k_grid``; [] or a quantized draft: not timed. ``runner_starts``: engine starts per K of that runner.
+    ``path``: where the sweep runs specstop's stop (one of :data:`PATHS`).
 
     Raises:
         UserError: vLLM's Python cannot import vLLM, or the engine failed (the log's tail is in the message).
@@ -268,6 +287,7 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
     longest = max(map(len, prompts)) + max_tokens + max(grid) + 16
     job = {"draft": draft, "target": target, "prompts": prompts, "k_grid": grid, "batch_sizes": batch_sizes,
            "max_tokens": max_tokens, "draft_quant": draft_quant, "runner_k": runner_k, "runner_starts": runner_starts,
+           "path": path,
            "engine": engine_kwargs(dtype, -(-longest // 128) * 128, max(batch_sizes))}
     with tempfile.TemporaryDirectory(prefix="specstop_vllm_cost_") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
@@ -288,7 +308,8 @@ def calibrate_in_vllm(draft: str, target: str, prompts: list[list[int]], *, k_gr
             raise UserError(f"--engine vllm: the vLLM process exited with {rc} (log: {log_path}):\n{tail}")
         raw = json.loads(out_path.read_text())
     engine = f"vllm {raw['versions']['vllm']}"
-    machine = {**machine, "dtype": dtype, "draft_quant": draft_quant, "torch": raw["versions"]["torch"]}
+    machine = {**machine, "dtype": dtype, "draft_quant": draft_quant, "vllm_path": path,
+               "torch": raw["versions"]["torch"]}
     return cost_model_from_engine(raw["costs"], engine=engine, name=name, machine=machine,
                                   runner=raw.get("runner")), raw
 
