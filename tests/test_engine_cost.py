@@ -50,6 +50,8 @@ def test_too_short_a_sweep_is_refused():
 def test_engine_files_say_whose_costs_priced_them():
     vllm_cost = cost_model_from_engine(_timings(), engine="vllm 0.32.0", name="vllm_cost.json", machine={}).to_dict()
     assert priced_by(vllm_cost, "vllm").startswith("vllm's own costs, measured inside vllm 0.32.0")
+    runner_swept = {**vllm_cost, "machine": {**vllm_cost["machine"], "vllm_path": "runner"}}
+    assert "specstop's stop timed in vLLM's batched draft runner" in priced_by(runner_swept, "vllm")
     assert "not llamacpp's: an estimate" in priced_by(vllm_cost, "llamacpp")
     ours = {"provenance": "measured", "name": "cost.json", "machine": {"cpu": "x"}}
     assert "calibrate-cost --engine vllm" in priced_by(ours, "vllm")

@@ -47,7 +47,10 @@ def priced_by(cost_model: dict | None, engine: str) -> str:
     measured_in = ((cost.get("machine") or {}).get("engine") or "").split(" ")[0]
     name = cost.get("name") or "?"
     if measured_in and measured_in == engine:
-        return f"{engine}'s own costs, measured inside {(cost.get('machine') or {}).get('engine')} (cost model {name})"
+        path = (cost.get("machine") or {}).get("vllm_path")
+        where = {"runner": "; specstop's stop timed in vLLM's batched draft runner",
+                 "proposer": "; specstop's stop timed in the side-path proposer"}.get(path, "")
+        return f"{engine}'s own costs, measured inside {(cost.get('machine') or {}).get('engine')} (cost model {name}{where})"
     if measured_in:
         return (f"{measured_in}'s costs (cost model {name}), not {engine}'s: an estimate for {engine}")
     if cost.get("provenance") == "measured":
