@@ -116,6 +116,27 @@ def test_vllm_file_runs_the_best_fixed_k_for_vllms_own_runner():
     assert opt["speculative_config"]["num_speculative_tokens"] == 2 and "predicted_by_k" not in opt
 
 
+def test_a_cost_model_timed_in_specstops_runner_caps_its_stop_at_the_schedules_k():
+    """Costs swept in specstop's runner itself (``--vllm-path runner``) price the tuned batch schedule with that
+    runner's batched rounds, so above batch size 1 its stop is capped at the schedule's K there (none where the
+    schedule drafts nothing); swept through the side path, the schedule says nothing of the runner's rounds."""
+    from specstop.export.engines import engine_settings
+
+    tuned = _tuned_with_runner(None, schedule=[(1, 4), (2, 4), (4, 3), (8, 0)])
+    tuned["policies"]["confidence_opt"] = {"spec": {"kind": "confidence", "threshold": 0.6, "sl_max": 12},
+                                           "validation": {"speedup": 1.3}}
+    tuned["cost_model"]["machine"]["vllm_path"] = "runner"
+    opt = engine_settings(tuned, "vllm", draft="D", target="T")["options"]["confidence_opt"]
+    assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 12], [2, 3, 4], [4, 7, 3], [8, 8, 0]]
+    assert "timed in this runner" in opt["batch_caps_note"] and "skips the draft" in opt["batch_caps_note"]
+    assert "--no-async-scheduling" in opt["command"] and "[4, 7, 3]" in opt["command"]
+    tuned["cost_model"]["machine"]["vllm_path"] = "proposer"
+    opt = engine_settings(tuned, "vllm", draft="D", target="T")["options"]["confidence_opt"]
+    assert opt["speculative_config"]["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 12], [2, 3, 12], [4, 7, 12], [8, 8, 0]]
+
+
 def test_vllm_schedule_takes_the_runners_k_where_it_was_timed():
     """The schedule vLLM's runner runs: at B = 1 and 2 (timed) the K best at the runner's steps, none at B = 2
     where none beats no speculation; B = 4 (not timed) keeps the tuned K and says so. Where the schedule

@@ -39,3 +39,13 @@ def test_a_sweeps_timings_make_a_cost_model():
     assert cost.t_draft == pytest.approx(0.02)
     assert cost.target_by_k[2] == pytest.approx(0.01 + 0.1 + 0.03)
     assert "vLLM's batched draft runner" in cost.fit["method"]
+
+
+def test_a_call_that_also_caught_up_prices_no_round_but_its_target_step_does():
+    t = EngineTimings()
+    t.record(0.0, 0.1, [0], decoding=True)
+    assert t.record(0.3, 0.5, [2], decoding=True, one_off=True) == pytest.approx(0.2)
+    t.record(0.7, 0.8, [2], decoding=True)
+    costs = t.costs()
+    assert costs["draft_call"] == {"1x0": pytest.approx(0.1), "1x2": pytest.approx(0.1)}  # not the 0.2 s one
+    assert costs["target_step"] == {"1x1": pytest.approx(0.2), "1x3": pytest.approx(0.2)}

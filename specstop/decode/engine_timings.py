@@ -53,13 +53,16 @@ class EngineTimings:
         #: the last call (None before the first)
         self.last: Call | None = None
 
-    def record(self, t_in: float, t_out: float, lengths: Sequence[int], decoding: bool) -> float | None:
+    def record(self, t_in: float, t_out: float, lengths: Sequence[int], decoding: bool,
+               one_off: bool = False) -> float | None:
         """Record one call.
 
         Args:
             t_in: when the call began; ``t_out``: when it returned.
             lengths: ``[B]`` each row's draft length in this call.
             decoding: every row decodes in this step (none is in its prefill).
+            one_off: the call also fed the draft what earlier calls left out (a catch-up): its seconds price no
+                round of its length, while the target step after it still prices its block.
 
         Returns:
             The seconds of the target step before this call where it verified the last call's drafts in as
@@ -76,7 +79,7 @@ class EngineTimings:
         seconds = t_out - t_in
         self.last = Call(rows, block, t_out, seconds, max((int(n) for n in lengths), default=0))
         self.calls.append((rows, int(sum(lengths)), seconds))
-        if block is not None:
+        if block is not None and not one_off:
             self.call.setdefault(f"{rows}x{block - 1}", []).append(seconds)
         return target_s
 

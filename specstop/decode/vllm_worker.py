@@ -149,10 +149,14 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         from transformers import AutoTokenizer
 
         self.shared_vocab = len(AutoTokenizer.from_pretrained(draft))
-        #: Cost calibration (``calibrate-cost --engine vllm``): every row drafts exactly ``sweep[call % len]``
-        #: tokens (the policy still decides, its stops ignored), with no gate and no live re-pricing; None in
-        #: serving.
+        #: Cost calibration (``calibrate-cost --engine vllm``): every row drafts exactly K tokens, K taking the
+        #: sweep's values in turn (the policy still decides, its stops ignored), with no gate and no live
+        #: re-pricing; None in serving. After K = 0 a step that drafts catches the draft's cache up first, a
+        #: one-off that would weigh on that K's price: an extra step takes it (timed, not priced).
         self.cost_sweep = cost_sweep_setting(settings, WHO)
+        if self.cost_sweep is not None:
+            settle = max(self.cost_sweep)
+            self.cost_sweep = [k for K in self.cost_sweep for k in ([K, settle] if K == 0 and settle else [K])]
         self._calls = 0
         eos = self.speculative_config.draft_model_config.hf_config.eos_token_id
         self.stops = RowStops(policy, self.shared_vocab, eos=[eos] if isinstance(eos, int) else (eos or []),
@@ -397,7 +401,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         decoding = bool((first >= prompt_lens).all())
         if not drafting:
             out = self._skip(first)
-            self._time(t_in, [0] * rows, decoding)
+            self._time(t_in, [0] * rows, decoding, one_off=False)
             return out
         self._prompt_lens = prompt_lens
         self._first_pass_s = None
@@ -414,7 +418,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         drafted = torch.stack(self._round_tokens, dim=1) if self._round_tokens else torch.zeros(rows, 0)
         self._last_draft_probs = torch.stack(self._round_probs, dim=1).contiguous() if self._round_probs else None
         out = self.stops.cut(drafted)
-        self._time(t_in, [len(d) for d in out], decoding)
+        self._time(t_in, [len(d) for d in out], decoding, one_off=self._step.fed_once)
         return out
 
     def _one_off(self, first: np.ndarray, prompt_lens: np.ndarray, starts_at: np.ndarray) -> tuple[int, float]:
@@ -455,14 +459,14 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._last_draft_probs = None
         return [[] for _ in self._req_ids]
 
-    def _time(self, t_in: float, lengths: list[int], decoding: bool) -> None:
-        """This call's seconds and the target step before it (:class:`EngineTimings`). Live re-pricing reads
-        this round's drafting seconds beside that step where both this call and the last one drafted (same
-        rows, every row decoding: a step that added or finished requests, or verified nothing, prices
-        nothing)."""
+    def _time(self, t_in: float, lengths: list[int], decoding: bool, one_off: bool) -> None:
+        """This call's seconds and the target step before it (:class:`EngineTimings`; ``one_off``: the call fed
+        prompts or skipped tokens too). Live re-pricing reads this round's drafting seconds beside that step
+        where both this call and the last one drafted (same rows, every row decoding, no one-off feed: a step
+        that added or finished requests, or verified nothing, prices nothing)."""
         last = self.timings.last
-        target_s = self.timings.record(t_in, clock.now(), lengths, decoding)
-        if target_s is not None and last.longest > 0 and max(lengths, default=0) > 0:
+        target_s = self.timings.record(t_in, clock.now(), lengths, decoding, one_off=one_off)
+        if target_s is not None and not one_off and last.longest > 0 and max(lengths, default=0) > 0:
             self.stops.observe(draft_s=self.timings.last.seconds, target_s=target_s)
 
     def engine_costs(self) -> dict:

@@ -234,12 +234,29 @@ RUNNER_CAPS_NOTE = (
 )
 
 
-def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: int) -> tuple[list[int], str | None]:
+#: The same where the cost model itself was timed in specstop's runner (``calibrate-cost --engine vllm``, its
+#: default ``--vllm-path runner``): the tuned schedule's K at each batch size is that runner's best fixed K.
+RUNNER_SWEPT_CAPS_NOTE = (
+    "above batch size 1 each batch size's drafts are capped at the tuned batch schedule's K, priced by the costs "
+    "`specstop calibrate-cost --engine vllm` timed in this runner (every request drafting K tokens, batched): a "
+    "batched draft round lasts as long as its longest draft, so rows past that K cost every row a draft forward "
+    "(none where no K beats no speculation); at batch size 1 the policy's own SL_max"
+)
+
+
+def swept_in_runner(tuned: dict) -> bool:
+    """The tuned file's costs were timed in specstop's stop inside vLLM's batched draft runner."""
+    return ((tuned.get("cost_model") or {}).get("machine") or {}).get("vllm_path") == "runner"
+
+
+def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: int,
+                 note: str = RUNNER_CAPS_NOTE) -> tuple[list[int], str | None]:
     """Per schedule entry, the cap of specstop's stop in vLLM's runner, and the note that explains it.
 
     Where vLLM's runner was timed (``runner_entries`` marked ``runner_priced``): SL_max at batch size 1,
     elsewhere the runner's best K there (0 where no K beats no speculation: :data:`RUNNER_SKIPS_NOTE`) and at
-    most SL_max. Elsewhere SL_max where the tuned schedule speculates, 0 where it does not (None: no cap needed).
+    most SL_max; ``note`` says how it was timed. Elsewhere SL_max where the tuned schedule speculates, 0 where
+    it does not (None: no cap needed).
     """
     runner_entries = runner_entries or [{} for _ in entries]
     caps, timed = [], False
@@ -253,7 +270,7 @@ def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: in
             timed = True
     skips = f"; {RUNNER_SKIPS_NOTE}" if 0 in caps else ""
     if timed:
-        return caps, RUNNER_CAPS_NOTE + skips
+        return caps, note + skips
     if all(c == cap for c in caps):
         return caps, None
     if not any(caps):
@@ -261,18 +278,23 @@ def _runner_caps(entries: list[dict], runner_entries: list[dict] | None, cap: in
     return caps, f"drafts its SL_max only at the batch sizes where the tuned batch schedule speculates{skips}"
 
 
-def _cap_proposer_by_batch(options: dict, sched: dict, target: str, runner_sched: dict | None) -> None:
+def _cap_proposer_by_batch(options: dict, sched: dict, target: str, runner_sched: dict | None, tuned: dict) -> None:
     """Where the tuned batch schedule runs no speculation (K = 0 at batch size B), specstop's proposer options
     draft nothing at B either: ``num_speculative_tokens_per_batch_size`` gives them their SL_max at the
     batch sizes that speculate and 0 at the others (the proposer reads vLLM's lookup the same way). The
     stop in vLLM's runner is capped by :func:`_runner_caps`: by the runner's own best K where
-    ``runner_sched`` (the schedule re-priced with vLLM's runner steps) timed it."""
+    ``runner_sched`` (the schedule re-priced with vLLM's runner steps) timed it, or where ``tuned``'s cost model
+    was timed in specstop's runner itself (:func:`swept_in_runner`: the schedule's own K)."""
     entries = sched["entries"]
+    runner_note = RUNNER_CAPS_NOTE
+    if runner_sched is None and swept_in_runner(tuned):
+        # the tuned schedule was priced by the runner's own batched costs: its K is the runner's best there
+        runner_sched, runner_note = {"entries": [{**e, "runner_priced": True} for e in entries]}, RUNNER_SWEPT_CAPS_NOTE
     for opt in options.values():
         conf = opt.get("speculative_config") or {}
         cap = int(conf.get("num_speculative_tokens") or 0)
         if opt.get("worker_cls"):
-            caps, note = _runner_caps(entries, runner_sched and runner_sched["entries"], cap)
+            caps, note = _runner_caps(entries, runner_sched and runner_sched["entries"], cap, runner_note)
         elif conf.get("method") == "custom_class" and not all(e["k"] > 0 for e in entries):
             caps = [cap if e["k"] > 0 else 0 for e in entries]
             note = ("drafts only at the batch sizes where the tuned batch schedule speculates (K = 0 elsewhere: the "
@@ -295,7 +317,7 @@ def _reprice(options: dict, sched: dict | None, ctx: Context) -> dict | None:
     if sched is None:
         return None
     runner_sched = _runner_schedule(sched, ctx.tuned) if _runner_prices(ctx.tuned, 1) else None
-    _cap_proposer_by_batch(options, sched, ctx.target, runner_sched)
+    _cap_proposer_by_batch(options, sched, ctx.target, runner_sched, ctx.tuned)
     return runner_sched or sched
 
 
