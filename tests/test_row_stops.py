@@ -99,19 +99,25 @@ def test_each_setting_runs_its_own_entry_and_says_so(exports, tmp_path):
     assert stops.caps.tolist() == [2, 1, 2] and len(lines) == 2  # the engine's K caps too; each setting logged once
 
 
-def test_rows_at_their_cap_stop_without_asking_their_policy(exports, monkeypatch):
+@pytest.fixture
+def asked(monkeypatch) -> list[int]:
+    """The rows each policy call was asked about, one entry per ``should_stop_batch`` call."""
+    calls: list[int] = []
+    real = StoppingPolicy.should_stop_batch
+
+    def counting(self, logits, *args, **kwargs):
+        calls.append(int(kwargs["active"].sum()))
+        return real(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(StoppingPolicy, "should_stop_batch", counting)
+    return calls
+
+
+def test_rows_at_their_cap_stop_without_asking_their_policy(exports, asked):
     """A row whose next token reaches its cap stops there whatever its policy says, so the policy is not run for
     it: at a cap of 1 (the runner's cap at large batch sizes) a round asks no policy at all."""
     _, pair = exports
     vocab = pair.vocab_size
-    asked = []
-    real = StoppingPolicy.should_stop_batch
-
-    def counting(self, logits, *args, **kwargs):
-        asked.append(int(kwargs["active"].sum()))
-        return real(self, logits, *args, **kwargs)
-
-    monkeypatch.setattr(StoppingPolicy, "should_stop_batch", counting)
     policy = StoppingPolicy.from_string("confidence:1e-6")  # never stops by itself
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     tokens = logits.argmax(-1)
@@ -124,19 +130,11 @@ def test_rows_at_their_cap_stop_without_asking_their_policy(exports, monkeypatch
     assert stops.step(logits, None, tokens) and asked == [2, 2]  # the second token reaches the cap
 
 
-def test_an_exact_round_drafts_every_rows_cap_and_still_asks_the_policy(exports, monkeypatch):
+def test_an_exact_round_drafts_every_rows_cap_and_still_asks_the_policy(exports, asked):
     """A cost sweep's round (``exact``): every row drafts its cap whatever its policy and EOS say, and the policy
     still decides at every step (its cost is part of the step the sweep prices)."""
     _, pair = exports
     vocab = pair.vocab_size
-    asked = []
-    real = StoppingPolicy.should_stop_batch
-
-    def counting(self, logits, *args, **kwargs):
-        asked.append(int(kwargs["active"].sum()))
-        return real(self, logits, *args, **kwargs)
-
-    monkeypatch.setattr(StoppingPolicy, "should_stop_batch", counting)
     policy = StoppingPolicy.from_string("confidence:0.999999")  # stops every row at its first token
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
     tokens = logits.argmax(-1)
