@@ -12,9 +12,10 @@ size 1) and then all at once (batch size len(prompts)), and shuts the engine dow
 (``{"prompt", "max_tokens", "groups": [{"n", "temperature", "top_p"}]}``) it then decodes every group's ``n``
 sampled requests of one prompt (request i of a group with seed i), all in one call. OUT (JSON):
 ``{name: {"batch1": [[ids]], "batched": [[ids]], "spec": {"batch1": counters, "batched": counters},
-"samples": [[[ids]] per group], "runner": stats, "start_s", "generate_s", "error"}}``; spec
-counters are vLLM's own (drafts, draft tokens, accepted tokens) for that pass; ``runner``: specstop's
-draft runner's counters (rows per draft length, the policy each decoding setting ran, ``draft_kv``: steps that
+"samples": [[[ids]] per group], "runner": stats, "runner_batch1": stats, "start_s", "generate_s", "error"}}``;
+spec counters are vLLM's own (drafts, draft tokens, accepted tokens) for that pass; ``runner``: specstop's
+draft runner's counters (rows per draft length and per reason their draft ended, the policy each decoding
+setting ran; ``runner_batch1``: the same after the batch-size-1 pass), ``draft_kv``: steps that
 skipped the draft and tokens fed again to catch its cache up, ``gate``: the speculation gate's record,
 ``draft_quant``: the quantized draft's layers and timed crossover, or None).
 """
@@ -103,6 +104,10 @@ def run(job: dict) -> dict:
             before = spec_counters(llm)
             res["batch1"] = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
             mid = spec_counters(llm)
+            if spec.get("worker_cls"):
+                from specstop.decode.vllm_draft_runner import live_runners
+
+                res["runner_batch1"] = json.loads(json.dumps(live_runners()[-1].stops.stats))
             res["batched"] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, batched, use_tqdm=False)]
             res["spec"] = {"batch1": _delta(mid, before), "batched": _delta(spec_counters(llm), mid)}
             if job.get("sampled"):

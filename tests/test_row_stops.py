@@ -3,6 +3,8 @@ each row alone through its own policy's ``should_stop``, one step at a time."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from _export_fixtures import per_setting_copy, random_exports, single_thread  # noqa: F401 - tiny models run faster on one thread
@@ -23,21 +25,25 @@ def exports(tmp_path_factory, tiny_pair_dir):
 
 
 def _brute_force(policy: StoppingPolicy, settings, steps, positions, cap, vocab, eos=()):
-    """Each row alone: its setting's policy copy decides after every token, until stop, cap or EOS."""
+    """Each row alone: its setting's policy copy decides after every token, until stop, cap or EOS; each
+    row's ``(length, why it ended)``."""
     out = []
     for b, setting in enumerate(settings):
         p = StoppingPolicy(policy.spec, policy.predictor, config=policy.config).configure(setting, vocab)
         p.reset()
         row_cap = min(cap, p.cap())
-        n = 0
+        n, why = 0, "cap"
         for j, (logits, hidden, tokens) in enumerate(steps):
             if n >= row_cap:
                 break
             n += 1
             stop = p.should_stop(logits[b], hidden[b], int(positions[b]) + j, draft_token=int(tokens[b]))
-            if stop or int(tokens[b]) in eos or n >= row_cap:
+            if n >= row_cap:
                 break
-        out.append(n)
+            if int(tokens[b]) in eos or stop:
+                why = "eos" if int(tokens[b]) in eos else "policy"
+                break
+        out.append((n, why))
     return out
 
 
@@ -61,7 +67,7 @@ def test_rows_stop_where_each_row_alone_would(name, exports):
             steps.append((logits, hidden, logits[:, :vocab].argmax(-1)))
             ids = torch.cat([ids, steps[-1][2][:, None]], dim=1)
     eos = (int(steps[2][2][4]),)  # row 4 drafts an EOS at step 3 (unless it stopped before)
-    want = _brute_force(policy, settings, steps, positions, cap, vocab, eos)
+    want, why = zip(*_brute_force(policy, settings, steps, positions, cap, vocab, eos))
 
     stops = RowStops(policy, vocab, eos=eos, live=False, log=lambda line: None)
     assert stops.begin(settings, cap) == min(cap, policy.cap())
@@ -74,7 +80,9 @@ def test_rows_stop_where_each_row_alone_would(name, exports):
             break
     drafted = torch.stack([t for _, _, t in steps[:used]], dim=1)
     got = stops.cut(drafted)
-    assert [len(d) for d in got] == want
+    assert [len(d) for d in got] == list(want)
+    assert stops.stats["ends"] == dict(Counter(why)), why  # each row's end counted once, under its reason
+    assert name != "confidence" or set(why) == {"cap", "eos", "policy"}, why
     assert done and used == max(want)  # the round ends with its last drafting row, not at the cap
     assert all(d == drafted[b, : len(d)].tolist() for b, d in enumerate(got))
     assert len({len(d) for d in got}) > 1, want  # the check is not vacuous: rows stop apart
@@ -146,3 +154,4 @@ def test_an_exact_round_drafts_every_rows_cap_and_still_asks_the_policy(exports,
     done = [stops.step(logits, None, tokens) for _ in range(3)]
     assert done == [False, False, True] and asked == [3, 3]  # the third token reaches the cap unasked
     assert [len(d) for d in stops.cut(tokens[:, None].repeat(1, 3))] == [3, 3, 3]
+    assert stops.stats["ends"] == {"eos": 1, "policy": 2, "cap": 3}  # the first round's ends, then the sweep's

@@ -305,8 +305,13 @@ def test_an_export_for_an_int4_draft_runs_its_rules_in_vllms_runner(exported, tm
         if name != "plain":
             assert r["runner"]["draft_quant"]["scheme"] == "int4", name
             assert r["spec"]["batch1"]["drafts"] > 0, (name, r["spec"])
-    c = res["static_opt"]["spec"]["batch1"]
-    assert c["draft_tokens"] == 3 * c["drafts"], c  # the static K, drafted in full by the runner
+    # the static K, drafted in full by the runner: a draft ends short of it only at an EOS it drafted (or a
+    # token past the vocabulary), never by the policy; which tokens the draft drafts moves with the int4
+    # kernels the crossover timed, so the count of such ends is not fixed
+    c, stats = res["static_opt"]["spec"]["batch1"], res["static_opt"]["runner_batch1"]
+    short = sum(n for length, n in stats["lengths"].items() if int(length) < 3)
+    assert "policy" not in stats["ends"] and short == stats["ends"].get("eos", 0) + stats["ends"].get("vocab", 0)
+    assert c["draft_tokens"] <= 3 * c["drafts"] and stats["lengths"].get("3", 0) > short, (c, stats)
 
 
 def _calibrate_in_vllm(pair_dir: Path, tmp_path: Path, monkeypatch, *flags: str):

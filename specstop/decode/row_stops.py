@@ -70,9 +70,11 @@ class RowStops:
         self.stopped = np.zeros(0, dtype=bool)
         self.positions = np.zeros(0, dtype=np.int64)
         self._exact = False
-        #: Counters since start: rounds, draft forwards (steps), tokens kept, rows per draft length, and
-        #: the policy each decoding setting runs (label).
-        self.stats: dict = {"rounds": 0, "steps": 0, "drafted": 0, "lengths": {}, "settings": {}}
+        #: Counters since start: rounds, draft forwards (steps), tokens kept, rows per draft length, rows
+        #: per reason their draft ended (``ends``: its cap, EOS, a token past the shared vocabulary, or the
+        #: policy; a row that hit its cap counts there whatever else held) and the policy each decoding
+        #: setting runs (label).
+        self.stats: dict = {"rounds": 0, "steps": 0, "drafted": 0, "lengths": {}, "ends": {}, "settings": {}}
 
     # ------------------------------------------------------------------ policies
     def policy_for(self, decoding: DecodingConfig) -> StoppingPolicy:
@@ -162,6 +164,7 @@ class RowStops:
         # a row whose token reaches its cap stops there whatever its policy says: only the others ask it
         # (at the cap of 1 that large batch sizes run, no policy runs at all)
         ask = active & (self.lengths < self.caps)
+        by_policy = np.zeros_like(active)
         for s, idx in self._groups.items():
             if not ask[idx].any():
                 continue
@@ -170,11 +173,20 @@ class RowStops:
                 logits.index_select(0, sel), None if hidden is None else hidden.index_select(0, sel),
                 self.positions[idx] + self.lengths[idx] - 1, active=ask[idx],
                 draft_tokens=tokens_cpu[torch.as_tensor(idx)])
-            self.stopped[idx] |= stop.numpy() & ask[idx]
-        self.stopped |= outside.numpy() & active
-        if len(self.eos):
-            self.stopped |= torch.isin(tokens_cpu, self.eos).numpy() & active
-        self.stopped = self.lengths >= self.caps if self._exact else self.stopped | (self.lengths >= self.caps)
+            by_policy[idx] = stop.numpy() & ask[idx]
+        at_cap = active & (self.lengths >= self.caps)
+        if self._exact:
+            ends = {"cap": at_cap}
+        else:
+            at_eos = torch.isin(tokens_cpu, self.eos).numpy() & active if len(self.eos) else np.zeros_like(active)
+            ends = {"cap": at_cap, "eos": at_eos & ~at_cap, "vocab": outside.numpy() & active & ~at_cap,
+                    "policy": by_policy & ~at_cap}
+            ends["policy"] &= ~(ends["eos"] | ends["vocab"])
+            ends["vocab"] &= ~ends["eos"]
+        for reason, rows in ends.items():
+            if rows.any():
+                self.stopped |= rows
+                self.stats["ends"][reason] = self.stats["ends"].get(reason, 0) + int(rows.sum())
         return bool(self.stopped.all())
 
     def cut(self, drafted: torch.Tensor) -> list[list[int]]:
