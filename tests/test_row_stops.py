@@ -155,3 +155,32 @@ def test_an_exact_round_drafts_every_rows_cap_and_still_asks_the_policy(exports,
     assert done == [False, False, True] and asked == [3, 3]  # the third token reaches the cap unasked
     assert [len(d) for d in stops.cut(tokens[:, None].repeat(1, 3))] == [3, 3, 3]
     assert stops.stats["ends"] == {"eos": 1, "policy": 2, "cap": 3}  # the first round's ends, then the sweep's
+
+
+def test_a_row_drafts_no_more_than_its_request_can_keep(exports):
+    """A request with L tokens left keeps at most L from its next verification (its bonus token among them): its
+    draft ends at L - 1 tokens, given before the round or once the first pass placed it (then a row with one token
+    left keeps none of the token it drafted); a cost sweep's exact round drafts its cap whatever the room."""
+    _, pair = exports
+    vocab = pair.vocab_size
+    policy = StoppingPolicy.from_string("confidence:1e-6")  # never stops by itself
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(2))
+    tokens = logits.argmax(-1)
+    drafted = tokens[:, None].repeat(1, 5)
+    stops = RowStops(policy, vocab, live=False, log=lambda line: None)
+    assert stops.begin([GREEDY] * 4, 5, positions=[0, 0, 0, 0], room=[0, 2, 9, 4]) == 5
+    while not stops.step(logits, None, tokens):
+        pass
+    assert [len(d) for d in stops.cut(drafted)] == [0, 2, 5, 4]
+    assert stops.stats["ends"] == {"room": 2, "cap": 1}  # the row with no room never drafted
+    assert stops.begin([GREEDY] * 4, 5, room=[2, 2, 2, 2]) == 2
+    # room learned from the first pass's positions, as vLLM's runner learns them: placed before its first step
+    stops.begin([GREEDY] * 4, 5)
+    stops.place([0, 0, 0, 0], room=[0, 1, 3, 9])
+    assert not stops.step(logits, None, tokens) and stops.stopped.tolist() == [True, True, False, False]
+    while not stops.step(logits, None, tokens):
+        pass
+    assert [len(d) for d in stops.cut(drafted)] == [0, 1, 3, 5]
+    stops.begin([GREEDY] * 4, 3, positions=[0, 0, 0, 0], room=[0, 1, 1, 1], exact=True)
+    assert [stops.step(logits, None, tokens) for _ in range(3)] == [False, False, True]
+    assert [len(d) for d in stops.cut(drafted)] == [3, 3, 3, 3]

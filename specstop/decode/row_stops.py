@@ -69,11 +69,12 @@ class RowStops:
         self.lengths = np.zeros(0, dtype=np.int64)
         self.stopped = np.zeros(0, dtype=bool)
         self.positions = np.zeros(0, dtype=np.int64)
+        self.room = np.zeros(0, dtype=np.int64)
         self._exact = False
         #: Counters since start: rounds, draft forwards (steps), tokens kept, rows per draft length, rows
-        #: per reason their draft ended (``ends``: its cap, EOS, a token past the shared vocabulary, or the
-        #: policy; a row that hit its cap counts there whatever else held) and the policy each decoding
-        #: setting runs (label).
+        #: per reason their draft ended (``ends``: its cap, the room its request has left, EOS, a token past
+        #: the shared vocabulary, or the policy; a row that hit its cap counts there whatever else held, then
+        #: one out of room) and the policy each decoding setting runs (label).
         self.stats: dict = {"rounds": 0, "steps": 0, "drafted": 0, "lengths": {}, "ends": {}, "settings": {}}
 
     # ------------------------------------------------------------------ policies
@@ -106,7 +107,7 @@ class RowStops:
 
     # ------------------------------------------------------------------ a round
     def begin(self, settings: Sequence[DecodingConfig], cap: int, positions: Sequence[int] | None = None,
-              exact: bool = False) -> int:
+              exact: bool = False, room: Sequence[int] | None = None) -> int:
         """Start a round of ``len(settings)`` rows.
 
         Args:
@@ -115,7 +116,8 @@ class RowStops:
             positions: ``[B]`` 0-based response position of each row's first drafted token; an engine that
                 learns them only from its first forward gives them to :meth:`place` before the first step.
             exact: every row drafts its cap (a cost sweep): the policies still decide at every step, since
-                their cost is part of one, and their stops and EOS are ignored.
+                their cost is part of one, and their stops, EOS and ``room`` are ignored.
+            room: ``[B]`` the most draft tokens of use to each row, as :meth:`place` takes it (None: no limit).
 
         Returns:
             The most draft forwards the round can take (0: no row drafts).
@@ -131,14 +133,28 @@ class RowStops:
             policy.reset_batch(batch_size=len(idx))
             self.caps[idx] = np.minimum(self.caps[idx], policy.cap_batch())
         self.lengths = np.zeros(rows, dtype=np.int64)
-        self.stopped = self.caps <= 0
         self._exact = bool(exact)
-        self.place(np.zeros(rows, dtype=np.int64) if positions is None else positions)
-        return int(self.caps.max(initial=0))
+        self.room = np.full(rows, np.iinfo(np.int64).max, dtype=np.int64)
+        self.place(np.zeros(rows, dtype=np.int64) if positions is None else positions, room)
+        limit = np.minimum(self.caps, self.room)
+        self.stopped = limit <= 0
+        return int(limit.max(initial=0))
 
-    def place(self, positions: Sequence[int]) -> None:
-        """``[B]`` 0-based response position of each row's first drafted token (learned policies read them)."""
+    def place(self, positions: Sequence[int], room: Sequence[int] | None = None) -> None:
+        """Where each row's draft starts, and how much of it its request can still use.
+
+        Args:
+            positions: ``[B]`` 0-based response position of each row's first drafted token (learned policies
+                read them).
+            room: ``[B]`` the most draft tokens of use to each row (None: unchanged): a request with L tokens
+                left to generate keeps at most L from the next verification, its bonus token among them, so
+                L - 1 drafted tokens are all it can use. An engine that does not cut drafts at a request's
+                ``max_tokens`` (vLLM's scheduler cuts at the model's length only) would draft and verify the
+                rest for nothing. Ignored in an exact round.
+        """
         self.positions = np.asarray(positions, dtype=np.int64).reshape(len(self.caps))
+        if room is not None and not self._exact:
+            self.room = np.maximum(np.asarray(room, dtype=np.int64).reshape(len(self.caps)), 0)
 
     def step(self, logits: torch.Tensor, hidden: torch.Tensor | None, tokens: torch.Tensor) -> bool:
         """Decide after one batched draft forward.
@@ -163,7 +179,7 @@ class RowStops:
             tokens_cpu = tokens_cpu.clamp(max=self.vocab_size - 1)
         # a row whose token reaches its cap stops there whatever its policy says: only the others ask it
         # (at the cap of 1 that large batch sizes run, no policy runs at all)
-        ask = active & (self.lengths < self.caps)
+        ask = active & (self.lengths < np.minimum(self.caps, self.room))
         by_policy = np.zeros_like(active)
         for s, idx in self._groups.items():
             if not ask[idx].any():
@@ -179,8 +195,9 @@ class RowStops:
             ends = {"cap": at_cap}
         else:
             at_eos = torch.isin(tokens_cpu, self.eos).numpy() & active if len(self.eos) else np.zeros_like(active)
-            ends = {"cap": at_cap, "eos": at_eos & ~at_cap, "vocab": outside.numpy() & active & ~at_cap,
-                    "policy": by_policy & ~at_cap}
+            full = at_cap | (active & (self.lengths >= self.room))
+            ends = {"cap": at_cap, "room": full & ~at_cap, "eos": at_eos & ~full,
+                    "vocab": outside.numpy() & active & ~full, "policy": by_policy & ~full}
             ends["policy"] &= ~(ends["eos"] | ends["vocab"])
             ends["vocab"] &= ~ends["eos"]
         for reason, rows in ends.items():
@@ -193,7 +210,8 @@ class RowStops:
         """Each row's draft: ``drafted`` ``[B, steps]`` cut at the row's stop (rows that did not draft: [])."""
         cols = drafted.shape[1] if drafted.ndim == 2 else 0
         ids = drafted.tolist() if cols else [[] for _ in range(len(self.lengths))]
-        out = [row[: int(n)] for row, n in zip(ids, np.minimum(self.lengths, cols))]
+        # a row that learned its room only after its first token (0: one token left to generate) keeps none
+        out = [row[: int(n)] for row, n in zip(ids, np.minimum(np.minimum(self.lengths, cols), self.room))]
         self.stats["rounds"] += 1
         for d in out:
             self.stats["drafted"] += len(d)

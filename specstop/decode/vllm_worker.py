@@ -8,7 +8,10 @@ it asks :class:`~specstop.decode.row_stops.RowStops` which requests stop there, 
 request has stopped (or reached its cap), and hands vLLM each request's draft cut at its own stop. vLLM's
 scheduler verifies each request's own number of drafts; its rejection sampler keeps the output the
 target's (greedy: token for token; sampled requests: verified with the draft's distribution when
-``draft_sample_method`` is ``probabilistic``, else as deterministic proposals).
+``draft_sample_method`` is ``probabilistic``, else as deterministic proposals). A request's draft also ends
+where its request could not keep more: L tokens short of its ``max_tokens``, a verification keeps at most L
+(its bonus token among them), so L - 1 drafts are the most of use. vLLM's scheduler cuts drafts at the
+model's length only, so its own proposer drafts and verifies the rest for nothing near each request's end.
 
 A step where no row drafts (the engine's per-batch K is 0 there, or every row's policy caps it at 0) skips the
 draft's forward altogether. vLLM's own proposer runs that forward anyway, to keep the draft's KV cache in step
@@ -167,6 +170,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._round_probs: list[torch.Tensor] = []
         self._first_positions: torch.Tensor | None = None
         self._prompt_lens = np.zeros(0, dtype=np.int64)
+        self._max_tokens = np.zeros(0, dtype=np.int64)
         #: seconds per propose call and per target step between calls (engine_costs, live re-pricing)
         self.timings = EngineTimings()
         #: request id -> first position whose draft KV a skipped step left unwritten
@@ -353,7 +357,10 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         if not self._round_tokens and self._first_positions is not None:
             # the first drafted token sits one past each row's last fed token
             first = self._first_positions.reshape(-1).cpu().numpy()[: len(self._prompt_lens)]
-            self.stops.place(first + 1 - self._prompt_lens)
+            at = first + 1 - self._prompt_lens
+            # vLLM's scheduler cuts drafts at the model's length only: tokens past a request's max_tokens
+            # would be drafted and verified for nothing
+            self.stops.place(at, room=self._max_tokens - at - 1)
         self._round_tokens.append(tokens)
         if probs is not None:
             self._round_probs.append(probs)
@@ -404,6 +411,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             self._time(t_in, [0] * rows, decoding, one_off=False)
             return out
         self._prompt_lens = prompt_lens
+        self._max_tokens = self._max_tokens_of(self._req_ids)
         self._first_pass_s = None
         self._pass_began = clock.now()
         try:
@@ -445,6 +453,15 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             if state is not None and getattr(params, "max_tokens", None) is not None:
                 left.append(params.max_tokens - len(state.output_token_ids))
         return tokens, float(np.mean(left)) if left else math.inf
+
+    def _max_tokens_of(self, req_ids: list[str]) -> np.ndarray:
+        """``[B]`` each request's ``max_tokens`` (a very large number where it has none)."""
+        out = np.full(len(req_ids), np.iinfo(np.int32).max, dtype=np.int64)
+        for b, rid in enumerate(req_ids):
+            params = getattr(self.engine_runner.requests.get(rid), "sampling_params", None)
+            if getattr(params, "max_tokens", None) is not None:
+                out[b] = int(params.max_tokens)
+        return out
 
     def _skip(self, first: np.ndarray) -> list[list[int]]:
         """A step where no row drafts: no draft forward; each row remembers where its draft cache stops.
