@@ -1,6 +1,7 @@
 """Cost model: Eq. 5.1 special case, presets, JSON round trip; calibrate-cost on the tiny pair."""
 
 import numpy as np
+import pytest
 
 from specstop.eval.cost import PRESETS, CostModel, load_cost_model
 from specstop.eval.replay import Counts, replay
@@ -35,6 +36,15 @@ def test_json_round_trip(tmp_path):
     c.save(tmp_path / "m.json")
     back = load_cost_model(str(tmp_path / "m.json"))
     assert back.target_by_k == {0: 0.19, 1: 0.2, 4: 0.21} and not back.is_preset
+
+
+@pytest.mark.parametrize("given", [{}, {"t_draft": 0.1}])
+def test_a_cost_model_without_its_step_costs_is_refused_in_one_line(given, tmp_path):
+    with pytest.raises(ValueError, match=r"a cost model needs \['t_draft', 't_target'\] \(missing .*calibrate-cost"):
+        load_cost_model(given)
+    (tmp_path / "empty.json").write_text("{}")
+    with pytest.raises(ValueError, match="missing"):
+        load_cost_model(tmp_path / "empty.json")
 
 
 def test_calibrate_tiny_pair(tmp_path):

@@ -265,7 +265,13 @@ def test_cost_sweep_drafts_exactly_each_k_and_times_it(tiny_pair_dir, loaded):
     cfg.additional_config["specstop"]["cost_sweep"] = [0, 1, 3, 5]
     proposer = SpecstopProposer(cfg)
     _, rounds = _simulate(proposer, loaded, [[5, 6, 7, 8]], max_new=40, join_late=0)
-    assert [len(d) for _, d, _, _ in rounds][:8] == [1, 3, 5, 0, 1, 3, 5, 0]  # K = sweep[step % 4], from step 1
+    # K = sweep[step % 5], from step 1: each 0 is followed by a settling step at the largest K, which feeds the
+    # draft what the skipped step left out, so that K = 1 is timed without that catch-up
+    assert proposer.cost_sweep == [0, 5, 1, 3, 5]
+    assert [len(d) for _, d, _, _ in rounds][:10] == [5, 1, 3, 5, 0, 5, 1, 3, 5, 0]
+    calls = [n for rows, n, _ in proposer.timings.calls if rows == 1]
+    assert sum(n == 5 for n in calls) > len(proposer.timings.call["1x5"])  # the settling calls price no round
+    assert len(proposer.timings.call["1x1"]) == sum(n == 1 for n in calls)  # and every K = 1 call prices one
     costs = proposer.engine_costs()
     assert {"1x0", "1x1", "1x3", "1x5"} <= set(costs["draft_call"]) and {"1x1", "1x2", "1x4", "1x6"} <= set(costs["target_step"])
     cost = cost_model_from_engine(costs, engine="vllm test", name="sweep", machine={"cpu": "test"})

@@ -156,13 +156,20 @@ def cost_sweep_setting(settings: dict, who: str = PROPOSER_CLASS) -> list[int] |
     """The :data:`COST_SWEEP_KEY` of a proposer's settings: the draft lengths every row drafts exactly, one per
     engine step in turn (``calibrate-cost --engine vllm``); None in serving.
 
+    After K = 0 (no draft) the next step that drafts first feeds the draft what the skipped step left out of
+    it, a one-off that would weigh on that K's price: so each 0 is followed by a settling step at the sweep's
+    largest K, which takes the catch-up (timed, not priced), and every K of the sweep is priced clean.
+
     Raises:
         UserError: not a non-empty list of draft lengths K >= 0.
     """
     sweep = read_setting(settings, COST_SWEEP_KEY, list[int] | None, None, who)
-    if sweep is not None and (not sweep or any(k < 0 for k in sweep)):
+    if sweep is None:
+        return None
+    if not sweep or any(k < 0 for k in sweep):
         raise UserError(f"{who}: {COST_SWEEP_KEY} must be a non-empty list of draft lengths K >= 0")
-    return [int(k) for k in sweep] if sweep is not None else None
+    settle = max(int(k) for k in sweep)
+    return [k for K in sweep for k in ([int(K), settle] if K == 0 and settle else [int(K)])]
 
 
 def live_cost_table(settings: dict) -> Any:
@@ -252,6 +259,7 @@ class _Slot:
     seen: int = 0  # sequence length (no drafts) at the slot's last round
     drafts: list[int] = field(default_factory=list)
     last_step: int = 0
+    fed: int = 0  # tokens its last round fed the draft before drafting
 
 
 class SpecstopProposer:
@@ -308,6 +316,7 @@ class SpecstopProposer:
         self.stats: dict[str, Any] = {"rounds": 0, "drafted": 0, "lengths": {}}
         #: seconds per propose call and per target step between calls (engine_costs)
         self.timings = EngineTimings()
+        self._one_off = False  # the last call fed the draft a prompt or a catch-up
         self.created = clock.now()
         _LIVE.add(self)
 
@@ -371,6 +380,7 @@ class SpecstopProposer:
             k_batch = exact
         claimed: set[int] = set()
         out: list[list[int]] = []
+        one_off, after_skip = False, self.timings.last is not None and self.timings.last.longest == 0
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             cap = min(k_batch, self.max_model_len - n - 1)
@@ -380,15 +390,20 @@ class SpecstopProposer:
             tokens = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
             slot = self._claim(tokens, len(sampled), claimed)
             out.append(self._draft(slot, tokens, cap, exact=exact is not None))
-        self._time_step(t_in, sampled_token_ids, out)
+            # a round feeds the draft 1 or 2 tokens (the next token, and the last draft where all were kept):
+            # more is a prompt or a catch-up, and so is anything after a call that drafted for no row
+            one_off |= slot.fed > 2 or after_skip
+        self._time_step(t_in, sampled_token_ids, out, one_off)
         return out
 
-    def _time_step(self, t_in: float, sampled: list[list[int]], out: list[list[int]]) -> None:
+    def _time_step(self, t_in: float, sampled: list[list[int]], out: list[list[int]], one_off: bool = False) -> None:
         """Record this call's seconds, and the target step before it; live pricing gets the round the two make
-        (the previous call's drafts, then their verification)."""
-        last = self.timings.last
-        target_s = self.timings.record(t_in, clock.now(), [len(d) for d in out], decoding=all(sampled))
-        if self.live is not None and target_s is not None and last.longest > 0:
+        (the previous call's drafts, then their verification). ``one_off``: the call also fed the draft a prompt
+        or tokens a step without a draft left out (priced as no round, nor read by live pricing as one)."""
+        last, last_one_off, self._one_off = self.timings.last, self._one_off, one_off
+        target_s = self.timings.record(t_in, clock.now(), [len(d) for d in out], decoding=all(sampled),
+                                       one_off=one_off)
+        if self.live is not None and target_s is not None and last.longest > 0 and not last_one_off:
             switch = self.live.observe(last.longest, draft_s=last.seconds, decision_s=0.0, target_s=target_s,
                                        batch_size=len(sampled))
             if switch is not None:  # every request's next round runs the re-picked policy
@@ -432,6 +447,7 @@ class SpecstopProposer:
         n = len(tokens)
         keep = min(_common_prefix(slot.ids, tokens), n - 1)
         lm.rollback(keep)
+        slot.fed = n - lm.length
         hidden, layer = policy.needs_hidden, policy.hidden_layer
         logits, h = lm.feed(tokens[lm.length:].tolist(), keep_logits=1, hidden=hidden, layer=layer)
         cap = min(cap, policy.cap())

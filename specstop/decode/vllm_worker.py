@@ -154,12 +154,8 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self.shared_vocab = len(AutoTokenizer.from_pretrained(draft))
         #: Cost calibration (``calibrate-cost --engine vllm``): every row drafts exactly K tokens, K taking the
         #: sweep's values in turn (the policy still decides, its stops ignored), with no gate and no live
-        #: re-pricing; None in serving. After K = 0 a step that drafts catches the draft's cache up first, a
-        #: one-off that would weigh on that K's price: an extra step takes it (timed, not priced).
+        #: re-pricing; None in serving. After K = 0 a settling step takes the catch-up (:func:`cost_sweep_setting`).
         self.cost_sweep = cost_sweep_setting(settings, WHO)
-        if self.cost_sweep is not None:
-            settle = max(self.cost_sweep)
-            self.cost_sweep = [k for K in self.cost_sweep for k in ([K, settle] if K == 0 and settle else [K])]
         self._calls = 0
         eos = self.speculative_config.draft_model_config.hf_config.eos_token_id
         self.stops = RowStops(policy, self.shared_vocab, eos=[eos] if isinstance(eos, int) else (eos or []),

@@ -33,7 +33,7 @@ one says so in its first line (:func:`provenance_line`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +255,10 @@ class CostModel:
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown cost model keys {sorted(extra)}; valid keys: {sorted(known)}")
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if required - set(d):
+            raise ValueError(f"a cost model needs {sorted(required)} (missing {sorted(required - set(d))}); "
+                             "write one with `specstop calibrate-cost` or name a preset")
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
