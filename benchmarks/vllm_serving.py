@@ -52,6 +52,9 @@ give drafts, drafted and accepted tokens per run. ``--out X.json`` gets the raw 
 CPU (lscpu model and flags), vLLM/torch/transformers versions and the summary; ``X.md`` the tables;
 ``X_logs/`` each vLLM process's log. For the proposer methods, the costs inside the engine as the proposer
 timed them: seconds per drafted token, and seconds per target step by the block each row verified.
+Before every vLLM process and after the last, the script times a fixed workload while no engine runs
+(:mod:`specstop.measure.host_probe`); where those probes spread past 20%, the host changed speed under the
+run, and the tables and a last line say its ratios are not comparable.
 
 vLLM runs in its own virtualenv (``make vllm-env``): this script runs in any Python with specstop and
 transformers (the project venv) and starts ``--vllm-python`` (default: ``$SPECSTOP_VLLM_VENV`` or
@@ -84,6 +87,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from specstop.measure.host_probe import DRIFT, drift, drift_line, probe
 
 PROGRESS = "[vllm_serving]"
 DEFAULT_K = 4  # vLLM's usual num_speculative_tokens for a draft model
@@ -636,6 +641,14 @@ def host_info() -> dict:
     return info
 
 
+def _host_probe(when: str) -> dict:
+    """The host's speed now (:func:`specstop.measure.host_probe.probe`, timed here while no engine runs), said."""
+    figures = {"when": when, **probe()}
+    print(f"{PROGRESS} host probe {when}: stream {figures['stream_ms']:.1f} ms, gemm {figures['gemm_ms']:.1f} ms",
+          flush=True)
+    return figures
+
+
 def run_worker(python: str, job: dict, workdir: Path, tag: str, env: dict) -> tuple[dict | None, str | None, float]:
     """One vLLM process running ``job``; returns (its result, an error, wall seconds). Its log goes to workdir/tag.log."""
     job_path, out_path, log_path = workdir / f"{tag}.job.json", workdir / f"{tag}.out.json", workdir / f"{tag}.log"
@@ -839,6 +852,22 @@ def _decoding_words(settings: dict) -> str:
     return words if words == "greedy" else f"sampled at {words} (a seed per request)"
 
 
+def _probe_markdown(host_probe: dict | None) -> list[str]:
+    """The host probes of a run, and a warning where they spread past the limit."""
+    if not host_probe or not host_probe.get("probes"):
+        return []
+    probes = host_probe["probes"]
+    moved = drift_line(probes, host_probe.get("limit", DRIFT))
+    lines = ["", "## Host speed", "",
+             "A fixed workload timed in the benchmark's process while no engine ran "
+             "(`specstop.measure.host_probe`: a one-row bf16 product streaming 256 MiB of weights, and a 1024-row one), ms:",
+             "", "| when | stream | gemm |", "|---|---:|---:|"]
+    lines += [f"| {p['when']} | {p['stream_ms']:.1f} | {p['gemm_ms']:.1f} |" for p in probes]
+    lines += ["", f"**Not comparable:** {moved}." if moved else
+              f"The probes stayed within {100 * host_probe.get('limit', DRIFT):.0f}% of each other."]
+    return lines
+
+
 def markdown(record: dict) -> str:
     s, summary, sizes = record["settings"], record["summary"], record["settings"]["batch_sizes"]
     host, versions = record["host"], record.get("versions") or {}
@@ -958,6 +987,7 @@ def markdown(record: dict) -> str:
     if record.get("errors"):
         lines += ["", "## Failed", ""] + [f"- `{n}` (pass {e['pass']}): {e['error'].strip().splitlines()[-1]}"
                                            for n, errs in record["errors"].items() for e in errs]
+    lines += _probe_markdown(record.get("host_probe"))
     lines += ["", "Engine starts (s): " + ", ".join(f"{e['method']} {e['start_s']:.1f}" for e in record["engine_starts"]
                                                     if e.get("start_s") is not None)]
     return "\n".join(lines) + "\n"
@@ -1017,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
                 "temperature": args.temperature, "top_p": args.top_p,
                 "ignore_eos": args.ignore_eos, "warmup": args.warmup, "warmup_tokens": args.warmup_tokens,
                 "repeats": args.repeats}
-        runs, starts, errors, versions, reference = [], [], {}, None, None
+        runs, starts, errors, versions, reference, probes = [], [], {}, None, None, []
         engine_costs: dict[str, list] = {}
         runner_stats: dict[str, list] = {}
         t_all = time.perf_counter()
@@ -1030,6 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
                                     **{k: by_name[n].get(k) for k in METHOD_ENGINE_ARGS},
                                     "reference_logprobs": n == "no_spec" and p == 0} for n in group]}
                 print(f"{PROGRESS} pass {p + 1}/{args.passes}: {', '.join(group)}", flush=True)
+                probes.append(_host_probe(f"before pass {p + 1} {'+'.join(group)}"))
                 result, err, wall = run_worker(python, job, logs, f"pass{p + 1}_{gi:02d}_{'+'.join(group)}"[:120], env)
                 if err:
                     for n in group:
@@ -1052,6 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
                         runner_stats.setdefault(n, []).append({"pass": p + 1, **res["runner_stats"]})
                     for r in res["runs"]:
                         runs.append({"method": n, "pass": p + 1, **r, "tok_s": r["tokens"] / max(r["wall_s"], 1e-9)})
+        probes.append(_host_probe("after the last engine"))
         record = {
             "benchmark": "vllm_serving",
             "command": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
@@ -1075,6 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
             "runner_steps": ((((_engines_file(args).get("cost_model") or {}).get("fit") or {}).get("vllm_runner") or {})
                              .get("step_s")),
             "runs": runs,
+            "host_probe": {"probes": probes, "drift": drift(probes), "limit": DRIFT},
             "reference": reference,
             "errors": errors,
             "total_s": time.perf_counter() - t_all,
@@ -1119,6 +1152,9 @@ def main(argv: list[str] | None = None) -> int:
         md = atomic_write_text(out.with_suffix(".md"), markdown(record))
         print(md.read_text())
         print(f"{PROGRESS} wrote {out} and {md} (logs: {logs}); {record['total_s']:.0f} s in all")
+        moved = drift_line(probes)
+        if moved:
+            print(f"{PROGRESS} warning: {moved}", flush=True)
         return 1 if errors else 0
     finally:
         tmp_holder.cleanup()

@@ -249,9 +249,15 @@ def test_vllm_serving_smoke_run(tmp_path, monkeypatch):
     for (name, b), row in rows.items():  # every engine step timed: decode steps with all B rows, the tail apart
         steps = row["steps"]
         assert steps["full_steps"] > 0 and steps["full_median_s"] > 0 and 0 <= steps["partial_share"] < 1, (name, b)
+    # the host's speed, timed before every vLLM process (--smoke: one per pass) and after the last
+    probes, settings = record["host_probe"]["probes"], record["settings"]
+    assert settings["process"] == "pass" and len(probes) == settings["passes"] + 1
+    assert probes[0]["when"].startswith("before pass 1 no_spec+") and probes[-1]["when"] == "after the last engine"
+    assert all(p["stream_ms"] > 0 and p["gemm_ms"] > 0 for p in probes)
+    assert set(record["host_probe"]["drift"]) == {"stream_ms", "gemm_ms"}
     table = out.with_suffix(".md").read_text()
     assert "| specstop_confidence | 2 |" in table and "None: every method's greedy output equals" in table
-    assert "Decode steps as the engine timed them" in table
+    assert "Decode steps as the engine timed them" in table and "## Host speed" in table
 
 
 @pytest.mark.vllm

@@ -190,17 +190,14 @@ class RowStops:
                 self.positions[idx] + self.lengths[idx] - 1, active=ask[idx],
                 draft_tokens=tokens_cpu[torch.as_tensor(idx)])
             by_policy[idx] = stop.numpy() & ask[idx]
-        at_cap = active & (self.lengths >= self.caps)
-        if self._exact:
-            ends = {"cap": at_cap}
-        else:
-            at_eos = torch.isin(tokens_cpu, self.eos).numpy() & active if len(self.eos) else np.zeros_like(active)
-            full = at_cap | (active & (self.lengths >= self.room))
-            ends = {"cap": at_cap, "room": full & ~at_cap, "eos": at_eos & ~full,
-                    "vocab": outside.numpy() & active & ~full, "policy": by_policy & ~full}
-            ends["policy"] &= ~(ends["eos"] | ends["vocab"])
-            ends["vocab"] &= ~ends["eos"]
-        for reason, rows in ends.items():
+        # Each row that ends here is counted once, under the first of these reasons that holds for it.
+        ends = [("cap", active & (self.lengths >= self.caps))]
+        if not self._exact:
+            at_eos = torch.isin(tokens_cpu, self.eos).numpy() if len(self.eos) else np.zeros_like(active)
+            ends += [("room", active & (self.lengths >= self.room)), ("eos", active & at_eos),
+                     ("vocab", active & outside.numpy()), ("policy", by_policy)]
+        for reason, rows in ends:
+            rows = rows & ~self.stopped
             if rows.any():
                 self.stopped |= rows
                 self.stats["ends"][reason] = self.stats["ends"].get(reason, 0) + int(rows.sum())
