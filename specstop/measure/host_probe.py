@@ -26,9 +26,8 @@ STREAM_MIB = 256
 GEMM_ROWS = 1024
 #: Repeats per workload (their median is the probe's figure).
 REPEATS = 7
-#: How far a run's probes may spread (max / min - 1) before its ratios are called not comparable. On a quiet
-#: host one probe's repeats spread by about 10% on their own: the medians hold closer, and drift that distorts a
-#: run moves them by a third or more.
+#: How far a run's probes may spread (max / min - 1) before its ratios are called not comparable. A choice: the
+#: serving runs that could not be read slowed a one-row weight stream 1.3-2.7x (docs/results/vllm_serving.md).
 DRIFT = 0.20
 KINDS = ("stream_ms", "gemm_ms")
 
