@@ -33,8 +33,33 @@ def test_each_batch_size_runs_the_cheaper_choice_and_retries_the_other():
     assert len(lines) == 2 and "batch size 8" in lines[0] and "skipped" in lines[0] and "drafting at" in lines[1]
     rec = gate.record()["by_batch"]
     assert rec["8"]["drafting"] is False and rec["8"]["rounds_drafting"] == 3 and rec["8"]["rounds_skipping"] == 7
-    assert rec["1"] == {"draft_ms_per_token": 50.0, "skip_ms_per_token": 90.0, "rounds_drafting": 4,
+    assert rec["1"] == {"draft_ms_per_token": 50.0, "draft_ms_per_token_mean_request": 50.0,
+                        "skip_ms_per_token": 90.0, "rounds_drafting": 4,
                         "rounds_skipping": 1, "rounds_held": 0, "drafting": True}
+
+
+def test_drafting_is_priced_for_the_request_a_batch_finishes_with():
+    """Two requests draft: "a" keeps 3 drafts a round, "b" none, 0.2 s a round. The mean request advances 2.5
+    tokens a round (0.08 s per token), but the batch ends when "b" does, 1 token a round (0.2 s per token):
+    skipping at 0.1 s per token is the cheaper choice. A request in fewer than ``min_rounds`` of the rounds is
+    not priced on its own (a round or two is noise)."""
+    gate = SpeculationGate(min_rounds=4)
+    for _ in range(4):
+        gate.observe(2, True, 0.2, {"a": 4.0, "b": 1.0})
+        gate.observe(2, False, 0.1, {"a": 1.0, "b": 1.0})
+    assert gate.price(2, True, slowest=False) == pytest.approx(0.08) and gate.price(2, True) == pytest.approx(0.2)
+    assert gate.choose(2) is False
+    rec = gate.record()["by_batch"]["2"]
+    assert rec["draft_ms_per_token"] == 200.0 and rec["draft_ms_per_token_mean_request"] == 80.0
+    gate.observe(2, True, 0.2, {"a": 4.0, "c": 0.5})  # "c" joined for one round: not yet its own price
+    assert gate.price(2, True) == pytest.approx(1.0 / 5)
+    one = SpeculationGate(min_rounds=4)
+    one.observe(2, True, 0.2, {"a": 4.0, "b": 1.0})  # fewer rounds than min_rounds: every request in all of them
+    assert one.price(2, True) == pytest.approx(0.2)
+    # the one-off rule reads the same price: the feed is paid back over the longest request's tokens
+    gate.observe_first_pass(8, 0.01, large=False)
+    gate.observe_first_pass(208, 0.21, large=True)
+    assert gate.choose(2, one_off=200, tokens_left=48) is False
 
 
 def test_a_cost_that_moves_turns_the_choice_around():
@@ -171,6 +196,11 @@ def test_a_steps_choice_is_priced_by_the_target_step_that_verified_its_drafts():
         step = Step(began, ids, np.array(firsts[i]), cap=4, drafted=drafted)
         assert gate.open(step) is False
     assert gate.price(2, True) == pytest.approx(0.2 / 5) and gate.price(2, False) == pytest.approx(0.1 / 1)
+    # each request's own advance is kept: where "b" keeps 2 of 4 drafts, drafting is priced by "b"
+    apart = SpeculationGate()
+    for began, first, drafted in ((0.0, (10, 20), True), (0.2, (11, 21), False), (0.3, (16, 24), True)):
+        apart.open(Step(began, ids, np.array(first), cap=4, drafted=drafted))
+    assert apart.price(2, True) == pytest.approx(0.2 / 3) and apart.price(2, True, slowest=False) == 0.2 / 4
     step = Step(0.6, ["a", "c"], np.array([18, 0]), cap=4, drafted=True, fed_once=True)
     assert gate.open(step) is False  # other requests: the step two back is not priced
     assert gate.rounds == {} and gate.price(2, True) == pytest.approx(0.04)

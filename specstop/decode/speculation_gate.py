@@ -8,7 +8,12 @@ runner, :mod:`specstop.decode.vllm_worker`) can time both choices where it serve
 batch size, the seconds per generated token of each choice, measured from one engine step to the next
 with the same requests (the draft round, if any, and the target step after it, over the tokens each
 request advanced). A choice's price is the seconds of its last :data:`WINDOW` rounds over the tokens they
-advanced (a ratio of sums: one round's ratio swings with how many drafts it kept). Drafting, which the
+advanced (a ratio of sums: one round's ratio swings with how many drafts it kept), for the request they
+advanced slowest. Requests that draft finish apart, and a batch ends with its last one: on a 2-core Intel Xeon
+(AMX) at batch size 8, full-batch drafting steps cost 142 ms per token for the mean request against 171 ms
+without drafting, yet the decode phase ran 0.96x of no drafting, its slowest requests finishing in a tail of
+few-row steps (docs/results/vllm_serving.md). Skipping advances every request alike: there both prices agree.
+Drafting, which the
 export's caps chose, is kept until :data:`MIN_ROUNDS` rounds price it (one round that drafted 16 tokens and
 kept one costs 130 ms per token where drafting averages 45), and then unless skipping is measured at least
 :data:`MARGIN` cheaper; the choice not in use is tried again after :data:`EXPLORE` rounds at that batch size,
@@ -35,7 +40,7 @@ and prices drafting afresh (its old rounds dropped), so one dear price cannot ho
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,10 +109,30 @@ class SpeculationGate:
         return self._seen.setdefault(int(batch_size), {True: deque(maxlen=self.window),
                                                        False: deque(maxlen=self.window)})
 
-    def price(self, batch_size: int, speculate: bool) -> float | None:
-        """Seconds per generated token of a choice at ``batch_size`` over its last rounds (None: not measured)."""
+    def price(self, batch_size: int, speculate: bool, slowest: bool = True) -> float | None:
+        """Seconds per generated token of a choice at ``batch_size`` over its last rounds (None: not measured).
+
+        Args:
+            slowest: the price of the request the rounds advanced slowest (its rounds' seconds over the tokens it
+                advanced in them; only requests in ``min_rounds`` of the rounds, or in all of them while there are
+                fewer): the one a batch's finish waits for. False: the mean request's (all rounds' seconds over
+                the mean tokens a request advanced in them).
+        """
         seen = self._at(batch_size)[bool(speculate)]
-        return sum(s for s, _ in seen) / sum(t for _, t in seen) if seen else None
+        if not seen:
+            return None
+        mean = sum(s for s, _ in seen) / sum(float(np.mean(list(adv.values()))) for _, adv in seen)
+        if not slowest:
+            return mean
+        seconds, tokens, rounds = defaultdict(float), defaultdict(float), defaultdict(int)
+        for s, advanced in seen:
+            for rid, t in advanced.items():
+                seconds[rid] += s
+                tokens[rid] += t
+                rounds[rid] += 1
+        enough = min(self.min_rounds, len(seen))
+        prices = [seconds[r] / tokens[r] for r in seconds if rounds[r] >= enough and tokens[r] > 0]
+        return max(prices) if prices else mean
 
     def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
@@ -124,8 +149,8 @@ class SpeculationGate:
         Args:
             batch_size: requests in the step.
             one_off: tokens the draft would read before it drafts, beyond the step's own decode tokens.
-            tokens_left: tokens the step's requests have left, the mean over them (their ``max_tokens``:
-                an end of sequence may come sooner).
+            tokens_left: tokens the step's requests have left, the most any of them has (their ``max_tokens``:
+                an end of sequence may come sooner): the batch finishes with that request.
         """
         b = int(batch_size)
         counts = self.rounds.setdefault(b, {True: 0, False: 0, "held": 0})
@@ -190,8 +215,8 @@ class SpeculationGate:
             self.rounds[b]["held"] += 1
         if self._held.get(b) != held and self.log is not None and held:
             self.log(f"specstop: at batch size {b} drafting would first feed the draft {one_off} tokens "
-                     f"({cost:.2f} s) and save {max(saved, 0.0):.2f} s over the {tokens_left:.0f} tokens its requests "
-                     "have left: the draft is skipped until that pays")
+                     f"({cost:.2f} s) and save {max(saved, 0.0):.2f} s over the {tokens_left:.0f} tokens its longest "
+                     "request has left: the draft is skipped until that pays")
         self._held[b] = held
         return not held
 
@@ -211,16 +236,19 @@ class SpeculationGate:
             advanced = step.first - after.first
             if (not priced.fed_once and len(advanced) and advanced.min() >= 1
                     and advanced.max() <= (priced.cap + 1 if priced.drafted else 1)):
-                self.observe(len(step.req_ids), priced.drafted, after.began - priced.began, float(advanced.mean()))
+                self.observe(len(step.req_ids), priced.drafted, after.began - priced.began,
+                             dict(zip(step.req_ids, advanced.tolist())))
         last = self._steps[-1] if self._steps else None
         self._steps = [*self._steps[-1:], step]
         return last is not None and last.req_ids == step.req_ids and last.fed_once
 
-    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: float) -> None:
-        """One round: ``seconds`` from one engine step to the next, over which a request advanced ``tokens``
-        (the mean over the batch's requests)."""
-        if seconds > 0 and tokens > 0 and np.isfinite(seconds):
-            self._at(batch_size)[bool(speculated)].append((float(seconds), float(tokens)))
+    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: float | dict[str, float]) -> None:
+        """One round: ``seconds`` from one engine step to the next, over which each request advanced ``tokens``
+        (per request id; one number: every request advanced that many)."""
+        advanced = tokens if isinstance(tokens, dict) else {"": tokens}
+        if seconds > 0 and np.isfinite(seconds) and advanced and min(advanced.values()) > 0:
+            self._at(batch_size)[bool(speculated)].append(
+                (float(seconds), {rid: float(t) for rid, t in advanced.items()}))
 
     def observe_first_pass(self, tokens: int, seconds: float, large: bool) -> None:
         """The draft's first pass of a step: ``tokens`` fed (a prefill or catch-up when ``large``) in
@@ -239,14 +267,17 @@ class SpeculationGate:
         return slope if slope > 0 else None
 
     def record(self) -> dict:
-        """``by_batch``: per batch size, each choice's price (ms per token), rounds run with it, rounds where
+        """``by_batch``: per batch size, each choice's price (ms per token of the slowest request; drafting's for
+        the mean request too), rounds run with it, rounds where
         drafting was held back by its one-off cost, and the choice in use; ``feed_ms_per_token``: the price of a
         token fed to the draft."""
         out = {}
         for b in sorted(self._seen):
             spec, skip = self.price(b, True), self.price(b, False)
             rounds = self.rounds.get(b, {True: 0, False: 0, "held": 0})
+            row = self.price(b, True, slowest=False)
             out[str(b)] = {"draft_ms_per_token": None if spec is None else round(1e3 * spec, 2),
+                           "draft_ms_per_token_mean_request": None if row is None else round(1e3 * row, 2),
                            "skip_ms_per_token": None if skip is None else round(1e3 * skip, 2),
                            "rounds_drafting": rounds[True], "rounds_skipping": rounds[False],
                            "rounds_held": rounds["held"], "drafting": self._best.get(b)}

@@ -30,9 +30,10 @@ On the 2-core Zen 5 a pass of the int4 draft over 16 rows (4 requests at K = 2) 
 
 Since a step can skip the draft, the runner also decides, per batch size, whether drafting pays at all as the
 engine runs now (:class:`~specstop.decode.speculation_gate.SpeculationGate`): it times each choice from one
-step to the next over the tokens each request advanced, keeps drafting unless skipping is measured cheaper,
-and re-tries the other choice now and then. Where drafting would first feed the draft prompts or skipped
-tokens, it drafts only if the requests' remaining tokens pay for them. ``"speculation_gate": false`` keeps
+step to the next over the tokens each request advanced, prices it for the request it advanced slowest (a
+batch ends with its last request), keeps drafting unless skipping is measured cheaper, and re-tries the other
+choice now and then. Where drafting would first feed the draft prompts or skipped tokens, it drafts only if
+the tokens the longest request has left pay for them. ``"speculation_gate": false`` keeps
 the exported caps alone.
 
 vLLM builds its draft-model proposer itself and offers no setting to name another class, so the way in
@@ -96,6 +97,8 @@ from specstop.errors import UserError
 from specstop.pair.quantize import check_scheme
 
 WHO = "specstop's vLLM draft runner"
+#: ``max_tokens`` of a request that has none (a length no draft reaches).
+_NO_LIMIT = int(np.iinfo(np.int32).max)
 
 # vLLM's logger, so that specstop's lines show in the engine's own output.
 logger = init_logger("vllm.specstop")
@@ -435,24 +438,24 @@ class SpecstopDraftModelProposer(DraftModelProposer):
 
         Returns:
             ``(tokens, tokens_left)``: the tokens the draft would read before drafting (the prompt chunks of rows
-            still in their prefill, and what skipped steps left out of each row's cache), and the tokens the
-            rows have left to generate, the mean over them (``max_tokens``; an end of sequence may come sooner).
+            still in their prefill, and what skipped steps left out of each row's cache), and the most tokens a
+            row has left to generate (``max_tokens``; an end of sequence may come sooner): the batch's finish
+            waits for that row.
         """
         fed = np.diff(starts_at[: len(first) + 1])
         tokens = int(fed[first < prompt_lens].sum())
-        left = []
         for b, rid in enumerate(self._req_ids):
             if rid in self._behind:
                 tokens += int(first[b]) - self._behind[rid]
-            state = self.engine_runner.requests.get(rid)
-            params = getattr(state, "sampling_params", None)
-            if state is not None and getattr(params, "max_tokens", None) is not None:
-                left.append(params.max_tokens - len(state.output_token_ids))
-        return tokens, float(np.mean(left)) if left else math.inf
+        limits = self._max_tokens_of(self._req_ids)
+        left = [int(limit) - len(self.engine_runner.requests[rid].output_token_ids)
+                for rid, limit in zip(self._req_ids, limits)
+                if limit < _NO_LIMIT and rid in self.engine_runner.requests]
+        return tokens, float(max(left)) if left else math.inf
 
     def _max_tokens_of(self, req_ids: list[str]) -> np.ndarray:
-        """``[B]`` each request's ``max_tokens`` (a very large number where it has none)."""
-        out = np.full(len(req_ids), np.iinfo(np.int32).max, dtype=np.int64)
+        """``[B]`` each request's ``max_tokens`` (:data:`_NO_LIMIT` where it has none)."""
+        out = np.full(len(req_ids), _NO_LIMIT, dtype=np.int64)
         for b, rid in enumerate(req_ids):
             params = getattr(self.engine_runner.requests.get(rid), "sampling_params", None)
             if getattr(params, "max_tokens", None) is not None:
