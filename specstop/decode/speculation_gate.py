@@ -121,18 +121,19 @@ class SpeculationGate:
         seen = self._at(batch_size)[bool(speculate)]
         if not seen:
             return None
-        mean = sum(s for s, _ in seen) / sum(float(np.mean(list(adv.values()))) for _, adv in seen)
-        if not slowest:
-            return mean
-        seconds, tokens, rounds = defaultdict(float), defaultdict(float), defaultdict(int)
-        for s, advanced in seen:
-            for rid, t in advanced.items():
-                seconds[rid] += s
-                tokens[rid] += t
-                rounds[rid] += 1
-        enough = min(self.min_rounds, len(seen))
-        prices = [seconds[r] / tokens[r] for r in seconds if rounds[r] >= enough and tokens[r] > 0]
-        return max(prices) if prices else mean
+        prices = []
+        if slowest:
+            seconds, tokens, rounds = defaultdict(float), defaultdict(float), defaultdict(int)
+            for s, advanced in seen:
+                for rid, t in advanced.items():
+                    seconds[rid] += s
+                    tokens[rid] += t
+                    rounds[rid] += 1
+            enough = min(self.min_rounds, len(seen))
+            prices = [seconds[r] / tokens[r] for r in seconds if rounds[r] >= enough]
+        if prices:
+            return max(prices)
+        return sum(s for s, _ in seen) / sum(sum(adv.values()) / len(adv) for _, adv in seen)
 
     def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is

@@ -400,6 +400,7 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         # the step after one that fed the draft prompts or skipped tokens drafts (the gate's rule)
         after_one_off = self.gate is not None and self.gate.open(self._step)
         prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
+        self._max_tokens = self._max_tokens_of(self._req_ids)  # read once: the gate's one-off rule and the room
         drafting = steps > 0 and (self.gate is None or after_one_off or self.gate.choose(
             rows, *self._one_off(first, prompt_lens, common_attn_metadata.query_start_loc_cpu.numpy())))
         self._step.drafted = drafting
@@ -410,7 +411,6 @@ class SpecstopDraftModelProposer(DraftModelProposer):
             self._time(t_in, [0] * rows, decoding, one_off=False)
             return out
         self._prompt_lens = prompt_lens
-        self._max_tokens = self._max_tokens_of(self._req_ids)
         self._first_pass_s = None
         self._pass_began = clock.now()
         try:
@@ -439,18 +439,17 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         Returns:
             ``(tokens, tokens_left)``: the tokens the draft would read before drafting (the prompt chunks of rows
             still in their prefill, and what skipped steps left out of each row's cache), and the most tokens a
-            row has left to generate (``max_tokens``; an end of sequence may come sooner): the batch's finish
-            waits for that row.
+            row has left to generate (``max_tokens``, as :meth:`propose` read it this step; an end of sequence may
+            come sooner): the batch's finish waits for that row.
         """
         fed = np.diff(starts_at[: len(first) + 1])
         tokens = int(fed[first < prompt_lens].sum())
         for b, rid in enumerate(self._req_ids):
             if rid in self._behind:
                 tokens += int(first[b]) - self._behind[rid]
-        limits = self._max_tokens_of(self._req_ids)
+        # a request with a max_tokens is one the runner holds (_max_tokens_of read it there)
         left = [int(limit) - len(self.engine_runner.requests[rid].output_token_ids)
-                for rid, limit in zip(self._req_ids, limits)
-                if limit < _NO_LIMIT and rid in self.engine_runner.requests]
+                for rid, limit in zip(self._req_ids, self._max_tokens) if limit < _NO_LIMIT]
         return tokens, float(max(left)) if left else math.inf
 
     def _max_tokens_of(self, req_ids: list[str]) -> np.ndarray:
