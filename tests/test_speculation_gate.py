@@ -62,6 +62,30 @@ def test_drafting_is_priced_for_the_request_a_batch_finishes_with():
     assert gate.choose(2, one_off=200, tokens_left=48) is False
 
 
+def test_a_request_whose_room_ends_its_draft_is_not_priced_as_the_slowest():
+    """Near its ``max_tokens`` a request can keep fewer drafts than the round allows: it advances 1-2 tokens
+    because it is ending, and a batch's fastest request gets there first. Two requests keep 3 drafts a round
+    (0.2 s); "a" then has 2 tokens of room and advances 2: that round prices the mean request, not "a"'s own
+    rate. Through ``open()`` a step's room comes from the worker (``Step.room``)."""
+    gate = SpeculationGate(min_rounds=4)
+    for _ in range(4):
+        gate.observe(2, True, 0.2, {"a": 4.0, "b": 4.0})
+    gate.observe(2, True, 0.2, {"a": 2.0, "b": 4.0}, ending=["a"])
+    assert gate.price(2, True) == pytest.approx(0.05)  # both at 0.2 s over 4 tokens; "a"'s ending round left out
+    assert gate.price(2, True, slowest=False) == pytest.approx(1.0 / 19)  # the mean request counts every round
+    gate.observe(2, True, 0.2, {"a": 1.0, "b": 4.0})  # not said to be ending: "a" is priced by it
+    assert gate.price(2, True) == pytest.approx(1.0 / 17)  # its 5 rounds: 1.0 s over 17 tokens
+
+    ids = ["a", "b"]
+    stepped = SpeculationGate()
+    rooms = [(3, 40), (2, 39), (1, 34)]  # "a" may advance 3 tokens at step 0: fewer than the cap of 4 and a bonus
+    for i, (began, first, drafted) in enumerate(((0.0, (10, 20), True), (0.2, (11, 21), False),
+                                                 (0.3, (13, 26), True))):
+        stepped.open(Step(began, ids, np.array(first), cap=4, drafted=drafted, room=np.array(rooms[i])))
+    assert stepped.price(2, True) == pytest.approx(0.2 / 5)  # "a" advanced 2: its end, not its rate
+    assert stepped.price(2, True, slowest=False) == pytest.approx(0.2 / 3.5)
+
+
 def test_a_cost_that_moves_turns_the_choice_around():
     """Drafting gets cheaper while the gate skips: the retry sees it, and the median of the last ``window``
     drafting rounds follows it within a few retries."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +76,7 @@ class Step:
     cap: int  # the longest draft the step allows
     drafted: bool = False
     fed_once: bool = False  # its draft's first pass also fed prompts, or tokens that skipped steps left out
+    room: np.ndarray | None = None  # [B] the most tokens each row may still advance (its max_tokens less its own)
 
 
 class SpeculationGate:
@@ -115,8 +116,10 @@ class SpeculationGate:
         Args:
             slowest: the price of the request the rounds advanced slowest (its rounds' seconds over the tokens it
                 advanced in them; only requests in ``min_rounds`` of the rounds, or in all of them while there are
-                fewer): the one a batch's finish waits for. False: the mean request's (all rounds' seconds over
-                the mean tokens a request advanced in them).
+                fewer): the one a batch's finish waits for. A round where a request's room ended its draft
+                (:meth:`observe`'s ``ending``) does not price that request: it advanced less because it is
+                finishing, not because it is slow. False: the mean request's (all rounds' seconds over the mean
+                tokens a request advanced in them).
         """
         seen = self._at(batch_size)[bool(speculate)]
         if not seen:
@@ -124,16 +127,17 @@ class SpeculationGate:
         prices = []
         if slowest:
             seconds, tokens, rounds = defaultdict(float), defaultdict(float), defaultdict(int)
-            for s, advanced in seen:
+            for s, advanced, ending in seen:
                 for rid, t in advanced.items():
-                    seconds[rid] += s
-                    tokens[rid] += t
-                    rounds[rid] += 1
+                    if rid not in ending:
+                        seconds[rid] += s
+                        tokens[rid] += t
+                        rounds[rid] += 1
             enough = min(self.min_rounds, len(seen))
             prices = [seconds[r] / tokens[r] for r in seconds if rounds[r] >= enough]
         if prices:
             return max(prices)
-        return sum(s for s, _ in seen) / sum(sum(adv.values()) / len(adv) for _, adv in seen)
+        return sum(s for s, _, _ in seen) / sum(sum(adv.values()) / len(adv) for _, adv, _ in seen)
 
     def choose(self, batch_size: int, one_off: int = 0, tokens_left: float = math.inf) -> bool:
         """True: draft at this step; False: skip the draft. A choice not yet measured at this batch size is
@@ -237,19 +241,24 @@ class SpeculationGate:
             advanced = step.first - after.first
             if (not priced.fed_once and len(advanced) and advanced.min() >= 1
                     and advanced.max() <= (priced.cap + 1 if priced.drafted else 1)):
+                ending = () if priced.room is None or not priced.drafted else \
+                    [rid for rid, room in zip(step.req_ids, priced.room.tolist()) if room < priced.cap + 1]
                 self.observe(len(step.req_ids), priced.drafted, after.began - priced.began,
-                             dict(zip(step.req_ids, advanced.tolist())))
+                             dict(zip(step.req_ids, advanced.tolist())), ending=ending)
         last = self._steps[-1] if self._steps else None
         self._steps = [*self._steps[-1:], step]
         return last is not None and last.req_ids == step.req_ids and last.fed_once
 
-    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: float | dict[str, float]) -> None:
+    def observe(self, batch_size: int, speculated: bool, seconds: float, tokens: float | dict[str, float],
+                ending: Iterable[str] = ()) -> None:
         """One round: ``seconds`` from one engine step to the next, over which each request advanced ``tokens``
-        (per request id; one number: every request advanced that many)."""
+        (per request id; one number: every request advanced that many). ``ending``: the requests whose room (their
+        ``max_tokens`` less the tokens they had) was less than the round's longest draft and its bonus token: their
+        advance was cut by their end, so it does not price them as the slowest (:meth:`price`)."""
         advanced = tokens if isinstance(tokens, dict) else {"": tokens}
         if seconds > 0 and np.isfinite(seconds) and advanced and min(advanced.values()) > 0:
             self._at(batch_size)[bool(speculated)].append(
-                (float(seconds), {rid: float(t) for rid, t in advanced.items()}))
+                (float(seconds), {rid: float(t) for rid, t in advanced.items()}, frozenset(ending)))
 
     def observe_first_pass(self, tokens: int, seconds: float, large: bool) -> None:
         """The draft's first pass of a step: ``tokens`` fed (a prefill or catch-up when ``large``) in

@@ -396,11 +396,12 @@ class SpecstopDraftModelProposer(DraftModelProposer):
         self._behind = {rid: at for rid, at in self._behind.items() if rid in self.engine_runner.requests}
         # each row's first position this step: the draft's cache is written up to there
         first = target_positions[common_attn_metadata.query_start_loc[:-1].long()].cpu().numpy().astype(np.int64)
-        self._step = Step(t_in, self._req_ids, first, cap=steps)
-        # the step after one that fed the draft prompts or skipped tokens drafts (the gate's rule)
-        after_one_off = self.gate is not None and self.gate.open(self._step)
         prompt_lens = np.asarray(batch.num_prompt_tokens[:rows], dtype=np.int64)
         self._max_tokens = self._max_tokens_of(self._req_ids)  # read once: the gate's one-off rule and the room
+        # room: the most a row may advance this step, its max_tokens less the tokens it has (the one at `first` is one)
+        self._step = Step(t_in, self._req_ids, first, cap=steps, room=self._max_tokens - (first + 1 - prompt_lens))
+        # the step after one that fed the draft prompts or skipped tokens drafts (the gate's rule)
+        after_one_off = self.gate is not None and self.gate.open(self._step)
         drafting = steps > 0 and (self.gate is None or after_one_off or self.gate.choose(
             rows, *self._one_off(first, prompt_lens, common_attn_metadata.query_start_loc_cpu.numpy())))
         self._step.drafted = drafting
