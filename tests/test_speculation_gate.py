@@ -165,6 +165,40 @@ def test_drafting_that_must_first_feed_the_draft_waits_until_its_saving_pays_for
     assert gate.choose(7) is True  # nothing to feed: drafting is tried first, as before
 
 
+def _priced(gate: SpeculationGate, batch_size: int, draft: float, skip: float) -> None:
+    """``min_rounds`` drafting rounds at ``draft`` seconds per token and one skipping round at ``skip``."""
+    for _ in range(gate.min_rounds):
+        gate.observe(batch_size, True, draft, 1.0)
+    gate.observe(batch_size, False, skip, 1.0)
+
+
+def test_a_batch_size_not_yet_priced_reads_the_saving_its_neighbours_trace_to_it():
+    """Drafting saves 40% at batch size 2 and 10% at 4: at 8, past them, the line through them says it costs
+    20% more, so 300 tokens of prompts are not fed (batch size 4's own 10% would have paid 0.48 s for their
+    0.3 s). With batch sizes 2 and 8 priced (40% and -10%), batch size 4 reads the 15% halfway between them
+    in log batch size: a 0.6 s feed pays (0.72 s saved over 48 tokens at 100 ms), a 0.8 s one does not. A
+    trend never promises more than the most any batch size saved."""
+    def gate_with(*sizes):
+        gate = SpeculationGate(min_rounds=2)
+        gate.observe_first_pass(8, 0.008, large=False)
+        gate.observe_first_pass(808, 0.808, large=True)  # 1 ms per token fed
+        for size, draft in sizes:
+            _priced(gate, size, draft, 0.100)
+        return gate
+
+    past = gate_with((2, 0.060), (4, 0.090))
+    assert past._saving_share_at(8, [2, 4]) == pytest.approx(-0.2)
+    assert past.choose(8, one_off=300, tokens_left=48) is False
+    assert past.record()["by_batch"]["8"]["rounds_held"] == 1
+    assert past.choose(8) is True  # nothing to feed: drafting is tried first
+    between = gate_with((2, 0.060), (8, 0.110))
+    assert between._saving_share_at(4, [2, 8]) == pytest.approx(0.15)
+    assert between.choose(4, one_off=600, tokens_left=48) is True
+    assert gate_with((2, 0.060), (8, 0.110)).choose(4, one_off=800, tokens_left=48) is False
+    rising = gate_with((1, 0.080), (2, 0.070))  # 20% and 30%: the line would say 50% at 8
+    assert rising._saving_share_at(8, [1, 2]) == pytest.approx(0.3)
+
+
 def test_one_dear_round_does_not_stop_drafting_nor_hold_it_off_for_good():
     """A first drafting round that drafted long and kept one token prices drafting at 132 ms per token against
     83 without: drafting goes on until ``min_rounds`` rounds price it (then 45 ms: kept), and a price of fewer

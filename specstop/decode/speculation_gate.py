@@ -31,8 +31,9 @@ also prices a token fed to the draft (:meth:`SpeculationGate.observe_first_pass`
 first-pass seconds over the tokens it fed), and a step that would first feed the draft ``one_off`` tokens
 drafts only where the round's saving over the tokens its requests have left pays for them
 (:meth:`SpeculationGate.choose`). That rule reads drafting's price at the batch size once :data:`MIN_ROUNDS`
-rounds made it, the nearest batch size's before (a batch's last requests, alone near their end, price drafting
-dear over a round or two). And it reads drafting's last price, which only drafting renews: so a try of
+rounds made it (a batch's last requests, alone near their end, price drafting dear over a round or two); before,
+the saving share the other batch sizes' prices trace to it along the logarithm of the batch size (between the
+nearest priced below and above; past them, on the line through the two nearest). And it reads drafting's last price, which only drafting renews: so a try of
 drafting goes ahead wherever its feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try,
 and prices drafting afresh (its old rounds dropped), so one dear price cannot hold drafting off for good.
 """
@@ -146,7 +147,8 @@ class SpeculationGate:
         left the choice as it was, ``backoff`` times at most). Drafting that would first feed the draft
         ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds over
         ``tokens_left`` exceed theirs, at this batch size's prices once ``min_rounds`` rounds priced drafting
-        here, else at the nearest batch size's that has them (no hold where none has). A try of drafting also
+        here, else at the saving the batch sizes that have them trace to this one (no hold where none has). A try
+        of drafting also
         goes ahead where the feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try (a
         held try is tried again at the next step), and it prices drafting afresh: its last rounds are
         dropped, so ``min_rounds`` new rounds price it again.
@@ -192,19 +194,38 @@ class SpeculationGate:
         return choice
 
     def _pays_back_near(self, b: int, one_off: int, tokens_left: float) -> bool:
-        """:meth:`_pays_back` at the nearest batch size where drafting is priced by ``min_rounds`` rounds and
-        skipping by one (True where there is none)."""
-        near = self._nearest_priced(b)
-        if near is None:
-            return True
-        return self._pays_back(b, self.price(near, True), self.price(near, False), one_off, tokens_left)
-
-    def _nearest_priced(self, b: int) -> int | None:
-        """The batch size nearest ``b`` (the larger on a tie) where drafting is priced by ``min_rounds`` rounds
-        and skipping by one, or None."""
+        """:meth:`_pays_back` at ``b`` on the other batch sizes' prices (True where none has them): drafting's
+        saving as a share of skipping's price read off them at ``b`` (:meth:`_saving_share_at`), on ``b``'s own
+        price of skipping where it has one, else the nearest priced batch size's."""
         priced = [n for n in self._seen if n != b and len(self._at(n)[True]) >= self.min_rounds
                   and self.price(n, False) is not None]
-        return min(priced, key=lambda n: (abs(n - b), -n)) if priced else None
+        if not priced:
+            return True
+        skip = self.price(b, False)
+        if skip is None:
+            skip = self.price(min(priced, key=lambda n: (abs(math.log(n / b)), -n)), False)
+        return self._pays_back(b, skip * (1.0 - self._saving_share_at(b, priced)), skip, one_off, tokens_left)
+
+    def _saving_share(self, b: int) -> float:
+        """Drafting's saving at ``b`` as a share of skipping's price: 1 - drafting's price / skipping's."""
+        return 1.0 - self.price(b, True) / self.price(b, False)
+
+    def _saving_share_at(self, b: int, priced: list[int]) -> float:
+        """Drafting's saving share at ``b``, read off the batch sizes ``priced`` along the logarithm of the batch
+        size: between the nearest priced below and above ``b``; past them all, on the line through the two nearest
+        (one alone: its share). Why a line: what drafting saves falls as a batch grows, and one neighbour's price
+        carries to ``b`` in neither direction (on a 2-core Intel Xeon, batch size 4 borrowing batch size 8's held
+        drafting off where it paid, and batch size 8 borrowing batch size 4's fed prompts it never paid back:
+        docs/results/vllm_serving.md). A line never promises more than the most any batch size saved."""
+        below = sorted(n for n in priced if n < b)
+        above = sorted(n for n in priced if n > b)
+        ends = [below[-1], above[0]] if below and above else below[-2:] if below else above[:2]
+        shares = [self._saving_share(n) for n in ends]
+        if len(ends) == 1:
+            return shares[0]
+        x0, x1 = math.log(ends[0]), math.log(ends[1])
+        share = shares[0] + (shares[1] - shares[0]) * (math.log(b) - x0) / (x1 - x0)
+        return min(share, max(self._saving_share(n) for n in priced))
 
     def _pays_back(self, b: int, spec: float, skip: float, one_off: int, tokens_left: float,
                    budget: float = 0.0) -> bool:
