@@ -33,9 +33,10 @@ drafts only where the round's saving over the tokens its requests have left pays
 (:meth:`SpeculationGate.choose`). That rule reads drafting's price at the batch size once :data:`MIN_ROUNDS`
 rounds made it (a batch's last requests, alone near their end, price drafting dear over a round or two); before,
 the saving share the other batch sizes' prices trace to it along the logarithm of the batch size (between the
-nearest priced below and above; past them, on the line through the two nearest). And it reads drafting's last price, which only drafting renews: so a try of
-drafting goes ahead wherever its feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try,
-and prices drafting afresh (its old rounds dropped), so one dear price cannot hold drafting off for good.
+nearest priced below and above; past them, on the line through the two nearest). And it reads drafting's last
+price, which only drafting renews: so a try of drafting goes ahead wherever its feed costs at most
+:data:`TRY_FEED_SHARE` of the rounds since the last try, and prices drafting afresh (its old rounds dropped),
+so one dear price cannot hold drafting off for good.
 """
 
 from __future__ import annotations
@@ -148,9 +149,8 @@ class SpeculationGate:
         ``one_off`` tokens (prompts, skipped tokens) is chosen only where skipping's extra seconds over
         ``tokens_left`` exceed theirs, at this batch size's prices once ``min_rounds`` rounds priced drafting
         here, else at the saving the batch sizes that have them trace to this one (no hold where none has). A try
-        of drafting also
-        goes ahead where the feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the last try (a
-        held try is tried again at the next step), and it prices drafting afresh: its last rounds are
+        of drafting also goes ahead where the feed costs at most :data:`TRY_FEED_SHARE` of the rounds since the
+        last try (a held try is tried again at the next step), and it prices drafting afresh: its last rounds are
         dropped, so ``min_rounds`` new rounds price it again.
 
         Args:
