@@ -48,6 +48,26 @@ def test_the_cost_model_reads_back_the_servers_costs(tmp_path, gguf_pair):
         priced_by(cost.to_dict(), "vllm")
 
 
+def test_a_server_whose_port_was_taken_after_it_was_picked_starts_again_on_another(tmp_path, gguf_pair, monkeypatch):
+    """A port picked free can be taken before the server binds it (another process's connection): the server
+    exits saying so, and is started again on a new port; the sweep goes on."""
+    import socket
+
+    from specstop.measure import llamacpp_cost
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    picks = iter([held.getsockname()[1]])
+    real = llamacpp_cost._free_port
+    monkeypatch.setattr(llamacpp_cost, "_free_port", lambda: next(picks, None) or real())
+    try:
+        assert _calibrate(tmp_path, gguf_pair) == 0
+    finally:
+        held.close()
+    assert load_cost_model(tmp_path / "llamacpp_cost.json").t_draft == pytest.approx(DRAFT_MS / 1e3)
+
+
 def test_a_tuned_export_is_priced_by_llamacpp_and_recommends_none_when_nothing_pays(tmp_path, gguf_pair, synth_dir):
     assert _calibrate(tmp_path, gguf_pair) == 0
     tuned = tmp_path / "tuned.json"

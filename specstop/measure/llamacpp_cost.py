@@ -83,6 +83,12 @@ def fixed_k_flags(k: int) -> list[str]:
     return llamacpp_flags({"kind": "static", "k": int(k)})
 
 
+#: What a server's log says when its port was taken (llama-server's words, and the OS error's).
+PORT_TAKEN = ("couldn't bind", "address already in use")
+#: How many times a server whose port was taken is started again on another.
+PORT_RETRIES = 3
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,23 +100,41 @@ class LlamaServer:
 
     def __init__(self, binary: str, model: Path, draft: Path | None, flags: list[str], *, threads: int, ctx: int,
                  log_dir: Path, name: str, nice: int = 0) -> None:
-        self.port = _free_port()
-        cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
-               "-t", str(threads), "-tb", str(threads), "-np", "1", "--temp", "0", "--no-webui"]
+        self._args = [binary, "-m", str(model), "--host", "127.0.0.1", "-c", str(ctx),
+                      "-t", str(threads), "-tb", str(threads), "-np", "1", "--temp", "0", "--no-webui"]
         if draft is not None:
-            cmd += ["-md", str(draft), "-td", str(threads)]
-        cmd += flags
-        if nice:
-            cmd = ["nice", "-n", str(nice), *cmd]
-        self.cmd = cmd
+            self._args += ["-md", str(draft), "-td", str(threads)]
+        self._args += flags
+        self._nice = nice
         self.name = name
         self.log = open(Path(log_dir) / f"llama-server-{name}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the server on a port free a moment ago."""
+        self.port = _free_port()
+        cmd = [*self._args, "--port", str(self.port)]
+        self.cmd = ["nice", "-n", str(self._nice), *cmd] if self._nice else cmd
+        self.log.seek(0)
+        self.log.truncate()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def _lost_its_port(self) -> bool:
+        """Did the server exit because its port was taken after it was picked (by another process's connection)?"""
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace").lower()
+        return any(m in text for m in PORT_TAKEN)
 
     def wait_ready(self, timeout: float) -> None:
-        """Until ``/health`` answers 200; UserError when the server exits or the time runs out."""
+        """Until ``/health`` answers 200; UserError when the server exits or the time runs out. A server whose
+        port was taken between picking and binding it is started again on another (:data:`PORT_RETRIES` times)."""
         t0 = time.time()
+        retries = PORT_RETRIES
         while time.time() - t0 < timeout:
+            if self.proc.poll() is not None and retries and self._lost_its_port():
+                retries -= 1
+                self._launch()
+                continue
             if self.proc.poll() is not None:
                 raise UserError(f"llama-server ({self.name}) exited with {self.proc.returncode}; see {self.log.name}: "
                                 f"{' '.join(self.cmd)}")
