@@ -217,15 +217,14 @@ class SpeculationGate:
         carries to ``b`` in neither direction (on a 2-core Intel Xeon, batch size 4 borrowing batch size 8's held
         drafting off where it paid, and batch size 8 borrowing batch size 4's fed prompts it never paid back:
         docs/results/vllm_serving.md). A line never promises more than the most any batch size saved."""
+        share_of = {n: self._saving_share(n) for n in priced}  # each price read once
         below = sorted(n for n in priced if n < b)
         above = sorted(n for n in priced if n > b)
         ends = [below[-1], above[0]] if below and above else below[-2:] if below else above[:2]
-        shares = [self._saving_share(n) for n in ends]
         if len(ends) == 1:
-            return shares[0]
-        x0, x1 = math.log(ends[0]), math.log(ends[1])
-        share = shares[0] + (shares[1] - shares[0]) * (math.log(b) - x0) / (x1 - x0)
-        return min(share, max(self._saving_share(n) for n in priced))
+            return share_of[ends[0]]
+        (x0, y0), (x1, y1) = ((math.log(n), share_of[n]) for n in ends)
+        return min(y0 + (y1 - y0) * (math.log(b) - x0) / (x1 - x0), max(share_of.values()))
 
     def _pays_back(self, b: int, spec: float, skip: float, one_off: int, tokens_left: float,
                    budget: float = 0.0) -> bool:
